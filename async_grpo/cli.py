@@ -1,0 +1,92 @@
+"""The `async-grpo` console script: parse arguments, import the heavy code lazily, run.
+
+A `UserError` anywhere below becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from async_grpo.errors import UserError
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    from async_grpo.models import prepare_smollm2
+
+    print(prepare_smollm2(Path(args.out) if args.out else None, force=args.force))
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from async_grpo.data import load_prompts, write_jsonl
+    from async_grpo.data.generate import countdown_rows, math_rows
+
+    if args.data_cmd == "countdown":
+        rows = countdown_rows(
+            args.n, args.seed, args.min_numbers, args.max_numbers, args.max_number, args.max_target
+        )
+    elif args.data_cmd == "math":
+        rows = math_rows(args.n, args.seed)
+    elif args.data_cmd == "check":
+        prompts = load_prompts(args.input)
+        print(f"{args.input}: {len(prompts)} prompts, all valid")
+        return 0
+    else:  # tokenize
+        from async_grpo.data.tokenize import tokenize_prompts
+        from async_grpo.models import resolve_model
+
+        prompts = tokenize_prompts(load_prompts(args.input), resolve_model(args.model))
+        rows = [p.to_json() for p in prompts]
+    n = write_jsonl(args.out, rows)
+    print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="async-grpo", description="Asynchronous GRPO training on Ray (vLLM + FSDP2)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct (GGUF) to a HF folder")
+    p.add_argument("--out", help="target folder (default: the cache, see ASYNC_GRPO_CACHE)")
+    p.add_argument("--force", action="store_true", help="convert again even if present")
+    p.set_defaults(func=_prepare_model)
+
+    p = sub.add_parser("data", help="generate, check or tokenize prompt JSONL files")
+    dsub = p.add_subparsers(dest="data_cmd", required=True, metavar="DATA_COMMAND")
+    d = dsub.add_parser("countdown", help="seeded Countdown problems (3 to 4 numbers)")
+    d.add_argument("-n", type=int, default=1000)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--min-numbers", type=int, default=3)
+    d.add_argument("--max-numbers", type=int, default=4)
+    d.add_argument("--max-number", type=int, default=99)
+    d.add_argument("--max-target", type=int, default=100)
+    d.add_argument("-o", "--out", required=True)
+    d = dsub.add_parser("math", help="seeded arithmetic questions with LaTeX answers")
+    d.add_argument("-n", type=int, default=200)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("-o", "--out", required=True)
+    d = dsub.add_parser("check", help="validate a prompt JSONL file")
+    d.add_argument("input")
+    d = dsub.add_parser("tokenize", help="add input_token_ids with the model's chat template")
+    d.add_argument("input")
+    d.add_argument("--model", default="smollm2-135m", help="model folder or prepared name")
+    d.add_argument("-o", "--out", required=True)
+    p.set_defaults(func=_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"async-grpo: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Typed configuration: one dataclass per part, loaded from YAML plus dotted overrides.
+
+In: a YAML file (configs/*.yaml) and overrides such as `trainer.lr=1e-6`.
+Out: a validated `RunConfig`; each part receives only its own sub-config.
+Unknown keys, wrong types and contradictions raise `ConfigError` naming the key's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from async_grpo.errors import UserError
+
+
+class ConfigError(UserError):
+    """A config that cannot run: the message starts with the key's dotted path."""
+
+
+@dataclass
+class GenerationConfig:
+    """vLLM generation workers (one engine each)."""
+
+    num_workers: int = 1
+    max_concurrent_seqs: int = 64  # capacity a worker advertises to its registry
+    max_model_len: int = 1024  # prompt + completion tokens
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    dtype: str = "bfloat16"
+    kv_cache_gib: float = 2.0  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE); GPU uses memory utilisation
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True  # on CPU: ~60 s start instead of ~200 s, ~half the tok/s
+    tensor_parallel_size: int = 1
+    threads: int = 1  # CPU threads per engine
+    seed: int = 0
+
+
+@dataclass
+class LogprobConfig:
+    """Transformers workers that compute reference / old-policy log-probs."""
+
+    num_workers: int = 1
+    max_tokens_per_batch: int = 2048
+    dtype: str = "float32"
+    threads: int = 1
+
+
+@dataclass
+class VerifierConfig:
+    """CPU reward workers; each score runs in a subprocess killed at `timeout_s`."""
+
+    num_workers: int = 1
+    rewards: list[str] = field(default_factory=lambda: ["countdown"])
+    combine: Literal["sum", "max", "weighted"] = "sum"
+    weights: dict[str, float] = field(default_factory=dict)
+    timeout_s: float = 5.0
+    max_concurrency: int = 4  # scoring subprocesses per worker
+
+
+@dataclass
+class BatcherConfig:
+    """The ExperienceBatcher: prompts in, packed per-rank minibatches out."""
+
+    questions_per_step: int = 4
+    samples_per_question: int = 4  # the GRPO group size
+    max_off_policy_steps: int = 1  # 0 = synchronous on-policy
+    max_tokens_per_gpu: int = 1024
+    seed: int = 0
+
+
+@dataclass
+class LossConfig:
+    """The GRPO loss family (async_grpo.core.loss)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO clip-higher
+    dual_clip: float | None = 3.0  # bound on the ratio for negative advantages; None disables
+    kl_coef: float = 0.0  # 0 disables the reference model entirely
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] = "token_mean"
+    constant_normalizer: float | None = None  # Dr.GRPO divisor; defaults to max_new_tokens
+    advantage_std_norm: bool = True  # False = Dr.GRPO advantages (r - mean)
+    tis_cap: float | None = 2.0  # truncated importance sampling cap; None disables
+    mask_truncated: bool = False  # drop samples cut at the length limit from the loss
+    temperature: float = 1.0  # log-probs are computed at the sampling temperature
+
+
+@dataclass
+class TrainerConfig:
+    """The torchrun FSDP2 trainer."""
+
+    num_ranks: int = 1
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    max_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    dtype: str = "float32"  # bf16 on GPU, fp32 on CPU
+    device: Literal["cpu", "cuda"] = "cpu"
+    save_every: int = 0  # 0 = only at the end
+    push_every: int = 1  # push weights to the workers every k optimizer steps
+    logprob_chunk_size: int = 1024
+    threads: int = 1
+    loss: LossConfig = field(default_factory=LossConfig)
+
+
+@dataclass
+class RunConfig:
+    """The whole run. `model` is a Hugging Face folder (see `async-grpo prepare-model`)."""
+
+    model: str = "smollm2-135m"  # a folder, or the name of a prepared model
+    data: str = "sample-data/countdown.jsonl"
+    output_dir: str = "outputs/run"
+    ray_address: str | None = None  # None: start a local Ray instance
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    logprob: LogprobConfig = field(default_factory=LogprobConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML config, apply `a.b.c=value` overrides, build and validate the tree."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    for item in overrides:
+        apply_override(raw, item)
+    cfg = from_dict(RunConfig, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (`1e-6`, `true`, `[a]`)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r}: expected key.path=value")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text else ""
+
+
+def from_dict(cls: type, raw: Any, where: str) -> Any:
+    """Build dataclass `cls` from `raw`, checking every key and type; `where` is the path."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or '<root>'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"{_join(where, unknown[0])}: unknown key (known: {', '.join(sorted(names))})"
+        )
+    kwargs = {k: _coerce(hints[k], v, _join(where, k)) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, where)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-6` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool) and not (
+        isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+    ):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def validate(cfg: RunConfig) -> None:
+    """Refuse configs that cannot run (they would hang or crash later)."""
+    g, b, t, v = cfg.generation, cfg.batcher, cfg.trainer, cfg.verifier
+    positive = {
+        "generation.num_workers": g.num_workers,
+        "generation.max_concurrent_seqs": g.max_concurrent_seqs,
+        "generation.max_new_tokens": g.max_new_tokens,
+        "logprob.num_workers": cfg.logprob.num_workers,
+        "verifier.num_workers": v.num_workers,
+        "verifier.timeout_s": v.timeout_s,
+        "batcher.questions_per_step": b.questions_per_step,
+        "batcher.samples_per_question": b.samples_per_question,
+        "batcher.max_tokens_per_gpu": b.max_tokens_per_gpu,
+        "trainer.num_ranks": t.num_ranks,
+        "trainer.max_steps": t.max_steps,
+        "trainer.lr": t.lr,
+        "trainer.push_every": t.push_every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    if b.max_off_policy_steps < 0:
+        raise ConfigError(
+            f"batcher.max_off_policy_steps: must be >= 0, got {b.max_off_policy_steps}"
+        )
+    if b.samples_per_question > g.max_concurrent_seqs:
+        raise ConfigError(
+            f"batcher.samples_per_question: {b.samples_per_question} exceeds"
+            f" generation.max_concurrent_seqs={g.max_concurrent_seqs}; a group could never be served"
+        )
+    if g.max_new_tokens >= g.max_model_len:
+        raise ConfigError(
+            f"generation.max_new_tokens: {g.max_new_tokens} leaves no room for a prompt"
+            f" in generation.max_model_len={g.max_model_len}"
+        )
+    if b.max_tokens_per_gpu < g.max_model_len:
+        raise ConfigError(
+            f"batcher.max_tokens_per_gpu: {b.max_tokens_per_gpu} is below generation.max_model_len="
+            f"{g.max_model_len}; a full-length sample could never be packed"
+        )
+    if b.max_off_policy_steps < t.push_every - 1:
+        raise ConfigError(
+            f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
+            f" above batcher.max_off_policy_steps={b.max_off_policy_steps}; the run would stall"
+        )
+    if v.combine == "weighted":
+        missing = [r for r in v.rewards if r not in v.weights]
+        if missing:
+            raise ConfigError(f"verifier.weights: no weight for reward {missing[0]!r}")
+    if not v.rewards:
+        raise ConfigError("verifier.rewards: at least one reward is required")
+    loss = t.loss
+    if not (0 <= loss.clip_low < 1) or loss.clip_high < 0:
+        raise ConfigError(
+            f"trainer.loss.clip_low/clip_high: bad bounds {loss.clip_low}/{loss.clip_high}"
+        )
+    if loss.dual_clip is not None and loss.dual_clip <= 1:
+        raise ConfigError(f"trainer.loss.dual_clip: must be > 1, got {loss.dual_clip}")
+    if loss.tis_cap is not None and loss.tis_cap <= 0:
+        raise ConfigError(f"trainer.loss.tis_cap: must be > 0, got {loss.tis_cap}")
+    if loss.temperature != g.temperature:
+        raise ConfigError(
+            f"trainer.loss.temperature: {loss.temperature} differs from generation.temperature="
+            f"{g.temperature}; the trainer's log-probs would not match the sampler's"
+        )

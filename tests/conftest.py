@@ -1,0 +1,34 @@
+"""Shared fixtures: the real SmolLM2 folder and a tiny random model with its tokenizer.
+
+Every test process runs offline, single-threaded by default, with a passive OpenMP wait
+policy (2-thread runs were sometimes 10x slower without it on the 2-core machines).
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as a Hugging Face folder (converted once, cached)."""
+    from async_grpo.models import prepare_smollm2
+
+    return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 2-layer random llama with the SmolLM2 tokenizer (loads in vLLM: head dim 64)."""
+    from async_grpo.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_from=smollm2_dir)

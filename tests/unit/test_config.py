@@ -1,0 +1,74 @@
+from pathlib import Path
+
+import pytest
+
+from async_grpo.config import ConfigError, RunConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    assert any(p.name == "quickstart.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_overrides_are_typed():
+    cfg = load_config(
+        REPO / "configs/quickstart.yaml",
+        [
+            "trainer.lr=1e-6",
+            "verifier.rewards=[countdown, exact]",
+            "trainer.loss.dual_clip=null",
+            "generation.max_new_tokens=64",
+        ],
+    )
+    assert cfg.trainer.lr == 1e-6 and isinstance(cfg.trainer.lr, float)
+    assert cfg.verifier.rewards == ["countdown", "exact"]
+    assert cfg.trainer.loss.dual_clip is None
+    assert cfg.generation.max_new_tokens == 64
+
+
+def test_int_is_accepted_for_float():
+    assert load_config(None, ["trainer.lr=1"]).trainer.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.lrr=1", "trainer.lrr: unknown key"),
+        ("trainer.loss.clip_hgh=1", "trainer.loss.clip_hgh: unknown key"),
+        ("trainer.max_steps=ten", "trainer.max_steps: expected int, got 'ten'"),
+        ("trainer.max_steps=true", "trainer.max_steps: expected int"),
+        ("trainer.loss.kl_estimator=k4", "trainer.loss.kl_estimator: expected one of"),
+        ("generation=3", "generation: expected a mapping"),
+        ("batcher.samples_per_question=100", "batcher.samples_per_question: 100 exceeds"),
+        ("generation.max_new_tokens=2000", "generation.max_new_tokens: 2000 leaves no room"),
+        ("batcher.max_tokens_per_gpu=100", "batcher.max_tokens_per_gpu: 100 is below"),
+        ("trainer.num_ranks=0", "trainer.num_ranks: must be > 0"),
+        ("trainer.loss.temperature=0.7", "trainer.loss.temperature: 0.7 differs"),
+        ("nonsense", "expected key.path=value"),
+    ],
+)
+def test_bad_configs_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(None, [override])
+
+
+def test_weighted_combine_needs_weights():
+    with pytest.raises(ConfigError, match="verifier.weights: no weight for reward 'countdown'"):
+        load_config(None, ["verifier.combine=weighted"])
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

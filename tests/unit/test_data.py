@@ -1,0 +1,124 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from async_grpo.data import DataError, PromptSampler, load_prompts, write_jsonl
+from async_grpo.data.generate import countdown_rows, math_rows
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rows(n):
+    return [json.dumps({"input": f"q{i}", "answer": i}) for i in range(n)]
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "async_grpo.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_bad_json_on_line_7_is_one_line_exit_2(tmp_path):
+    rows = _rows(10)
+    rows[6] = '{"input": "q6", "answer": '
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    r = _cli("data", "check", str(path))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"{path}:7: not valid JSON" in lines[0]
+
+
+def test_missing_answer_on_line_9_is_one_line_exit_2(tmp_path):
+    rows = _rows(10)
+    rows[8] = json.dumps({"input": "q8"})
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    r = _cli("data", "check", str(path))
+    assert r.returncode == 2
+    assert (
+        r.stderr.strip()
+        == f"async-grpo: error: {path}:9: field 'answer': missing (required: input, answer)"
+    )
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"input": "", "answer": 1}, "field 'input': expected a non-empty string"),
+        ({"input": "q", "answer": 1, "input_token_ids": [1, -2]}, "field 'input_token_ids'"),
+        ({"input": "q", "answer": 1, "input_token_ids": "12"}, "field 'input_token_ids'"),
+        ({"input": "q", "answer": 1, "extra": 1}, "field 'extra': unknown"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
+def test_schema_errors(tmp_path, row, message):
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps({"input": "ok", "answer": 0}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=f"x.jsonl:2: .*{message[:20]}"):
+        load_prompts(path)
+
+
+def test_shipped_sample_data_is_valid():
+    for name in ("countdown.jsonl", "math.jsonl"):
+        assert len(load_prompts(REPO / "sample-data" / name)) >= 100
+
+
+def test_countdown_generator_is_seeded_and_solvable():
+    a, b = countdown_rows(50, seed=3), countdown_rows(50, seed=3)
+    assert a == b and a != countdown_rows(50, seed=4)
+    for row in a:
+        nums = row["answer"]["numbers"]
+        assert 3 <= len(nums) <= 4 and 1 <= row["answer"]["target"] <= 100
+        assert str(nums) in row["input"] and "<answer>" in row["input"]
+
+
+def test_math_generator_is_seeded():
+    assert math_rows(20, 1) == math_rows(20, 1)
+    assert all("\\boxed{}" in r["input"] for r in math_rows(20, 1))
+
+
+def test_write_jsonl_is_atomic(tmp_path):
+    path = tmp_path / "out.jsonl"
+    write_jsonl(path, [{"a": 1}])
+
+    def broken():
+        yield {"a": 2}
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        write_jsonl(path, broken())
+    assert path.read_text() == '{"a": 1}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_sampler_resumes_exactly():
+    s = PromptSampler(7, seed=1)
+    first = s.take(10)
+    assert sorted(first[:7]) == list(range(7))  # one full epoch, each prompt once
+    state = s.state_dict()
+    rest = s.take(12)
+    t = PromptSampler(7, seed=1)
+    t.load_state_dict(state)
+    assert t.take(12) == rest
+    with pytest.raises(ValueError, match="sampler state is for 7 prompts"):
+        PromptSampler(8, seed=1).load_state_dict(state)
+
+
+def test_tokenize_writes_chat_token_ids(tmp_path, smollm2_dir):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, countdown_rows(3, seed=0))
+    out = tmp_path / "out.jsonl"
+    r = _cli("data", "tokenize", str(src), "--model", str(smollm2_dir), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    prompts = load_prompts(out)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = tok.decode(prompts[0].input_token_ids)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+    assert prompts[0].input in text
