@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from async_grpo.errors import UserError
+from async_grpo.plot_cli import add_plot_parser
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="smollm2-135m", help="model folder or prepared name")
     d.add_argument("-o", "--out", required=True)
     p.set_defaults(func=_data)
+
+    add_plot_parser(sub)
     return parser
 
 

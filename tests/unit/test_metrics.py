@@ -1,0 +1,104 @@
+"""MetricsWriter and read_metrics: round trip, scalar conversion, NaN as null, bad lines."""
+
+import json
+
+import numpy as np
+import pytest
+
+from async_grpo.errors import UserError
+from async_grpo.metrics import METRICS_FILE, PARAMS_FILE, MetricsWriter, read_metrics
+
+
+def test_log_round_trips_and_converts_scalars(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        w.log(1, {"loss": 0.5, "reward/mean": np.float32(0.25), "samples_seen": np.int64(8)})
+        w.log(np.int64(2), {"loss": float("nan"), "kl": np.float64(float("inf")), "ok": True})
+        assert w.non_finite == 2
+    text = (tmp_path / METRICS_FILE).read_text()
+    assert text.count("\n") == 2 and "NaN" not in text and "Infinity" not in text
+    rows = read_metrics(tmp_path / METRICS_FILE)
+    assert rows == [
+        {"step": 1, "loss": 0.5, "reward/mean": 0.25, "samples_seen": 8},
+        {"step": 2, "loss": None, "kl": None, "ok": 1},
+    ]
+    assert type(rows[0]["samples_seen"]) is int
+
+
+def test_torch_scalars_become_floats(tmp_path):
+    torch = pytest.importorskip("torch")
+    with MetricsWriter(tmp_path) as w:
+        w.log(1, {"grad_norm": torch.tensor(1.5), "lr": torch.tensor([0.125])})
+    assert read_metrics(tmp_path / METRICS_FILE) == [{"step": 1, "grad_norm": 1.5, "lr": 0.125}]
+
+
+def test_bad_values_fail_loud(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        with pytest.raises(ValueError, match="'step'"):
+            w.log(1, {"step": 3})
+        with pytest.raises(TypeError, match="metric 'x'"):
+            w.log(1, {"x": "high"})
+        with pytest.raises(TypeError, match="metric 'v'"):
+            w.log(1, {"v": np.array([1.0, 2.0])})
+    assert (tmp_path / METRICS_FILE).read_text() == ""  # nothing half-written
+
+
+def test_a_second_writer_appends(tmp_path):
+    for step in (1, 2):
+        with MetricsWriter(tmp_path) as w:
+            w.log(step, {"loss": float(step)})
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2]
+
+
+def test_write_params_is_atomic_json(tmp_path):
+    w = MetricsWriter(tmp_path / "run")
+    path = w.write_params({"lr": 1e-6, "model": tmp_path / "m", "group_size": 8})
+    w.write_params({"lr": 2e-6})  # overwrites
+    w.close()
+    w.close()
+    assert path == tmp_path / "run" / PARAMS_FILE
+    assert json.loads(path.read_text()) == {"lr": 2e-6}
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([PARAMS_FILE, METRICS_FILE])
+
+
+def test_tensorboard_without_the_package_is_a_warning(tmp_path, capsys):
+    pytest.importorskip("torch")
+    try:
+        import tensorboard  # noqa: F401
+
+        pytest.skip("tensorboard is installed")
+    except ImportError:
+        pass
+    with MetricsWriter(tmp_path, tensorboard=True) as w:
+        w.log(1, {"loss": 1.0})
+    assert "tensorboard" in capsys.readouterr().err
+    assert read_metrics(tmp_path / METRICS_FILE) == [{"step": 1, "loss": 1.0}]
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(tmp_path, capsys):
+    path = tmp_path / METRICS_FILE
+    path.write_text('{"step": 1, "loss": 1.0}\n\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert f"{path}:4: skipping a truncated last line" in capsys.readouterr().err
+
+
+def test_bad_middle_line_names_file_and_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2,\n{"step": 3}\n')
+    with pytest.raises(UserError, match=rf"^{path}:2: not valid JSON"):
+        read_metrics(path)
+
+
+def test_bad_last_line_with_newline_is_an_error(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2\n')
+    with pytest.raises(UserError, match=":2: not valid JSON"):
+        read_metrics(path)
+
+
+def test_non_object_line_and_missing_file(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(UserError, match=":2: expected a JSON object, got list"):
+        read_metrics(path)
+    with pytest.raises(UserError, match="metrics file not found"):
+        read_metrics(tmp_path / "nope.jsonl")
