@@ -1,0 +1,115 @@
+"""Compose the pools on a Ray cluster: registries and workers, options from config.
+
+This is the one place where plain worker classes become Ray actors, so tests can build
+the classes without Ray and resources are never hard-coded in class decorators.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from async_grpo.config import GenerationConfig, LogprobConfig
+from async_grpo.ray_utils import NAMESPACE, registry_name
+
+START_TIMEOUT_S = 900.0
+
+
+def ensure_registry(pool: str, heartbeat_timeout_s: float = 30.0) -> Any:
+    """The pool's named registry actor, created if absent (detached: it outlives drivers)."""
+    import ray
+
+    from async_grpo.inference.registry import LeastLoadedRegistry
+
+    return (
+        ray.remote(LeastLoadedRegistry)
+        .options(
+            name=registry_name(pool),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=1000,
+        )
+        .remote(pool, heartbeat_timeout_s)
+    )
+
+
+def _wait_started(refs: list[Any], what: str, timeout_s: float) -> list[str]:
+    import ray
+
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        raise TimeoutError(
+            f"{len(pending)} of {len(refs)} {what} did not start within {timeout_s:.0f}s"
+        )
+    return ray.get(ready)
+
+
+def start_generation_workers(
+    model_dir: str,
+    cfg: GenerationConfig,
+    count: int,
+    device: str = "cpu",
+    detached: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+) -> list[Any]:
+    """Start `count` vLLM workers on this cluster and register them; returns their handles."""
+    import ray
+
+    from async_grpo.inference.generation import GenerationWorker, vllm_env
+
+    ensure_registry("generation")
+    opts: dict[str, Any] = {
+        "num_cpus": cfg.threads if device == "cpu" else 1,
+        "num_gpus": cfg.tensor_parallel_size if device == "cuda" else 0,
+        "runtime_env": {"env_vars": vllm_env(cfg, device)},
+        "max_concurrency": 1000,
+        "max_restarts": 0,
+    }
+    if detached:
+        opts["lifetime"] = "detached"
+    actor = ray.remote(GenerationWorker).options(**opts)
+    stamp = time.strftime("%H%M%S")
+    workers = [actor.remote(model_dir, cfg, f"gen-{stamp}-{i}", device) for i in range(count)]
+    _wait_started([w.start.remote() for w in workers], "generation workers", timeout_s)
+    return workers
+
+
+def start_logprob_workers(
+    model_dir: str,
+    cfg: LogprobConfig,
+    count: int,
+    device: str = "cpu",
+    detached: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+) -> list[Any]:
+    """Start `count` transformers log-prob workers and register them."""
+    import ray
+
+    from async_grpo.inference.logprob import LogprobWorker
+
+    ensure_registry("logprob")
+    opts: dict[str, Any] = {
+        "num_cpus": cfg.threads if device == "cpu" else 1,
+        "num_gpus": 1 if device == "cuda" else 0,
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}},
+        "max_concurrency": 1000,
+    }
+    if detached:
+        opts["lifetime"] = "detached"
+    actor = ray.remote(LogprobWorker).options(**opts)
+    stamp = time.strftime("%H%M%S")
+    workers = [actor.remote(model_dir, cfg, f"lp-{stamp}-{i}", device) for i in range(count)]
+    _wait_started([w.start.remote() for w in workers], "logprob workers", timeout_s)
+    return workers
+
+
+def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
+    """Drain then kill: the two-phase stop (no orphan engines)."""
+    import ray
+
+    refs = [w.stop.remote(drain_timeout_s) for w in workers]
+    ray.wait(refs, num_returns=len(refs), timeout=drain_timeout_s + 30)
+    for w in workers:
+        ray.kill(w)

@@ -1,0 +1,190 @@
+"""LogprobWorker: per-token log-probs of given completions under a transformers model.
+
+In: (prompt ids, completion ids) pairs. Out: one log-prob per completion token. Used as the
+frozen reference model (KL penalty) or, with weight updates, as the old policy.
+Requests from many callers are packed into padding-free rows of at most
+`max_tokens_per_batch` tokens; the forward runs in a thread so the actor keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from async_grpo.config import LogprobConfig
+from async_grpo.core.logprobs import batch_logprobs
+from async_grpo.core.packing import PackInput, pack
+from async_grpo.inference.types import RequestError
+from async_grpo.inference.worker_base import RegisteredWorker
+
+
+@dataclass
+class _Pending:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    future: asyncio.Future
+
+
+class LogprobWorker(RegisteredWorker):
+    """A transformers causal LM behind a batching queue."""
+
+    pool = "logprob"
+
+    def __init__(
+        self,
+        model_dir: str,
+        cfg: LogprobConfig,
+        worker_id: str | None = None,
+        device: str = "cpu",
+        temperature: float = 1.0,
+    ) -> None:
+        # capacity: sequences a caller may lease at once; the token budget does the batching
+        super().__init__(worker_id or f"lp-{uuid.uuid4().hex[:6]}", capacity=256)
+        self.model_dir, self.cfg, self.device, self.temperature = (
+            model_dir,
+            cfg,
+            device,
+            temperature,
+        )
+        self.model: Any = None
+        self.max_len = 0
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.tokens_scored = 0
+        self.sync_group: Any = None
+
+    async def start(self, register: bool = True) -> str:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(self.cfg.threads)
+        self.model = await asyncio.to_thread(
+            AutoModelForCausalLM.from_pretrained,
+            self.model_dir,
+            dtype=getattr(torch, self.cfg.dtype),
+            attn_implementation="sdpa",
+        )
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.max_len = self.model.config.max_position_embeddings
+        self._queue = asyncio.Queue()
+        self._loop_task = asyncio.get_running_loop().create_task(self._serve())
+        if register:
+            await self.register()
+        return self.worker_id
+
+    async def logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Log-probs of each completion token given its prompt, in request order."""
+        budget = self.cfg.max_tokens_per_batch
+        for p, c in pairs:
+            if not p or not c:
+                raise RequestError(f"{self.worker_id}: empty prompt or completion")
+            if len(p) + len(c) > min(budget, self.max_len):
+                raise RequestError(
+                    f"{self.worker_id}: sample of {len(p) + len(c)} tokens exceeds"
+                    f" max_tokens_per_batch={budget} or the model context {self.max_len}"
+                )
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(p, c, loop.create_future()) for p, c in pairs]
+        self.in_flight += len(pairs)
+        try:
+            for item in pending:
+                self._queue.put_nowait(item)
+            return list(await asyncio.gather(*(item.future for item in pending)))
+        finally:
+            self.in_flight -= len(pairs)
+
+    async def _serve(self) -> None:
+        """Take queued samples up to the token budget, score them in one packed forward."""
+        budget = self.cfg.max_tokens_per_batch
+        carry: _Pending | None = None
+        while True:
+            batch = [carry or await self._queue.get()]
+            carry = None
+            size = len(batch[0].prompt_ids) + len(batch[0].completion_ids)
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                n = len(item.prompt_ids) + len(item.completion_ids)
+                if size + n > budget:
+                    carry = item
+                    break
+                batch.append(item)
+                size += n
+            try:
+                results = await asyncio.to_thread(self._score, batch)
+            except Exception as e:  # a failed forward fails only this batch's callers
+                for item in batch:
+                    item.future.set_exception(
+                        RuntimeError(f"{self.worker_id}: forward failed: {e}")
+                    )
+                continue
+            for item, lp in zip(batch, results, strict=True):
+                if not item.future.done():
+                    item.future.set_result(lp)
+
+    @torch.no_grad()
+    def _score(self, batch: list[_Pending]) -> list[list[float]]:
+        inputs = [
+            PackInput(b.prompt_ids, b.completion_ids, 0.0, [0.0] * len(b.completion_ids))
+            for b in batch
+        ]
+        packed = pack(inputs).to(self.device)
+        logp, _ = batch_logprobs(self.model, packed, self.temperature)  # [T]
+        flat = logp[packed.loss_mask].float().cpu().tolist()
+        self.tokens_scored += packed.input_ids.shape[1]
+        out, offset = [], 0
+        for b in batch:
+            out.append(flat[offset : offset + len(b.completion_ids)])
+            offset += len(b.completion_ids)
+        return out
+
+    async def update_weights_from_state_dict(self, state: Any, version: int) -> int:
+        if isinstance(state, list):
+            state = await state[0]
+        await asyncio.to_thread(self.model.load_state_dict, state, strict=False)
+        self.version = version
+        return self.version
+
+    def group_size(self) -> int:
+        return 1
+
+    async def init_weight_sync(
+        self,
+        host: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> list[int]:
+        from async_grpo.weight_sync import WeightSyncGroup
+
+        self.sync_group = await asyncio.to_thread(
+            WeightSyncGroup, host, port, rank_offset, world_size, backend, timeout_s
+        )
+        return [rank_offset]
+
+    async def receive_weights(
+        self, metas: list[tuple[str, tuple[int, ...], str]], version: int
+    ) -> int:
+        from async_grpo.weight_sync import TensorMeta
+
+        metas_t = [TensorMeta(n, tuple(s), d) for n, s, d in metas]
+        pairs = await asyncio.to_thread(lambda: list(self.sync_group.recv(metas_t)))
+        await self.update_weights_from_state_dict(dict(pairs), version)
+        return self.version
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "tokens_scored": self.tokens_scored,
+            "version": self.version,
+        }
+
+    async def stop(self, drain_timeout_s: float = 30.0) -> dict[str, int]:
+        result = await self.drain(drain_timeout_s)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        return result

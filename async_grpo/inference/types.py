@@ -1,0 +1,51 @@
+"""Wire types between the batcher, the registries and the inference workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RequestError(Exception):
+    """A request that fails by itself (bad input); the worker stays up and is not retried."""
+
+
+class PoolUnavailable(Exception):
+    """No worker could take the request: none registered, all dead, or it can never fit."""
+
+
+@dataclass
+class SamplingSettings:
+    """Per-request sampling. `seed` makes a request reproducible (None: engine randomness)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    Invariants: len(logprobs) == len(token_ids); logprobs[i] is the sampling log-prob of
+    token_ids[i] under the weights of `policy_version`; finish_reason is "stop" or "length".
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    policy_version: int
+
+
+@dataclass
+class WorkerStatus:
+    """What a registry knows of one worker (`async-grpo status` prints these)."""
+
+    worker_id: str
+    pool: str
+    capacity: int
+    load: int
+    version: int
+    node: str
+    seconds_since_heartbeat: float

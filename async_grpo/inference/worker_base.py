@@ -1,0 +1,75 @@
+"""What every pool worker shares: registration, heartbeats, load, version, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import Any
+
+HEARTBEAT_S = 2.0
+
+
+class RegisteredWorker:
+    """Base of the generation and logprob workers (plain classes; Ray wraps them)."""
+
+    pool = "base"
+
+    def __init__(self, worker_id: str, capacity: int) -> None:
+        self.worker_id = worker_id
+        self.capacity = capacity
+        self.version = 0
+        self.in_flight = 0
+        self.registry: Any = None
+        self._heartbeat: asyncio.Task | None = None
+
+    async def register(self) -> None:
+        """Join the pool's registry (inside a Ray actor); load published weights first."""
+        import ray
+
+        from async_grpo.inference.client import get_registry
+
+        self.registry = get_registry(self.pool)
+        me = ray.get_runtime_context().current_actor
+        latest = await self.registry.register.remote(
+            self.worker_id, me, self.capacity, self.version, socket.gethostname()
+        )
+        if latest is not None:
+            version, ref = latest
+            await self.update_weights_from_state_dict(ref, version)
+            await self.registry.heartbeat.remote(self.worker_id, self.version)
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat(me))
+
+    async def _beat(self, me: Any) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                known = await self.registry.heartbeat.remote(self.worker_id, self.version)
+                if not known:  # dropped (e.g. a slow heartbeat): join again
+                    await self.registry.register.remote(
+                        self.worker_id, me, self.capacity, self.version, socket.gethostname()
+                    )
+            except Exception as e:  # the registry may be restarting; keep serving
+                print(f"{self.worker_id}: heartbeat failed: {e}", flush=True)
+
+    async def update_weights_from_state_dict(self, state: Any, version: int) -> int:
+        raise NotImplementedError
+
+    async def ping(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "version": self.version,
+            "in_flight": self.in_flight,
+            "requests_served": getattr(self, "requests_served", 0),
+        }
+
+    async def drain(self, timeout_s: float) -> dict[str, int]:
+        """Deregister (no new leases), then wait for in-flight requests up to `timeout_s`."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.registry is not None:
+            await self.registry.deregister.remote(self.worker_id)
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return {"abandoned": self.in_flight}

@@ -1,0 +1,37 @@
+"""Joining a Ray cluster the same way from every process (CLI, workers, torchrun ranks).
+
+Token auth is turned off for every process we start (a local `ray.init()` otherwise writes
+~/.ray/auth_token, after which drivers given an explicit address fail with InvalidAuthToken).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+NAMESPACE = "async_grpo"
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def connect(
+    address: str | None, num_cpus: int | None = None, object_store_bytes: int = 1 << 30
+) -> dict[str, Any]:
+    """Join the cluster at `address`, or start a private local instance when it is None."""
+    import ray
+
+    if ray.is_initialized():
+        return {}
+    if address is None:
+        return ray.init(
+            address="local",
+            namespace=NAMESPACE,
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=object_store_bytes,
+            log_to_driver=True,
+        )
+    return ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+
+
+def registry_name(pool: str) -> str:
+    return f"registry:{pool}"
