@@ -9,6 +9,7 @@ is plain so tests can drive it without Ray.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -96,10 +97,8 @@ class LeastLoadedRegistry:
                         f"pool {self.pool!r}: waited {timeout_s:.0f}s to lease {n} sequences"
                         f" ({what}; dropped: {self.dropped or 'none'})"
                     )
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
-                except TimeoutError:
-                    pass
 
     async def release(self, worker_id: str, n: int) -> None:
         w = self._workers.get(worker_id)
