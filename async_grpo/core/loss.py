@@ -1,0 +1,237 @@
+"""The GRPO loss family, from per-token log-probs to one scalar per minibatch.
+
+In: current-policy log-probs [T] (with grad), a `PackedBatch`, optional entropy [T], and the
+GLOBAL counts of the optimizer step. Out: the loss scalar and summed metrics.
+
+Per loss token t of sample s, with old = old_logprobs if given else behaviour_logprobs:
+    ratio_t = exp(logp_t - old_t)
+    pg_t    = max(-A_s * ratio_t, -A_s * clamp(ratio_t, 1 - clip_low, 1 + clip_high))
+    pg_t    = min(pg_t, -dual_clip * A_s)                 if A_s < 0 (dual clip)
+    tis_t   = min(exp(old_t - behaviour_t), tis_cap)       detached; 1 if tis_cap is None
+    l_t     = tis_t * pg_t + kl_coef * k(logp_t, ref_t) - entropy_coef * H_t
+k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1.
+
+Exact global normalisation. The step's objective is L = sum_t w_t * l_t over every loss
+token of every minibatch on every rank, with w_t = 1 / N_tok ("token_mean"),
+1 / (n_s * N_seq) ("seq_mean_token_mean", n_s = loss tokens of sample s) or
+1 / (N_seq * C) ("seq_sum_constant", Dr.GRPO), where N_tok / N_seq are the GLOBAL counts
+(`global_tokens`, `global_samples`, from `loss_counts` summed over minibatches and
+all-reduced). Each minibatch returns W * sum_{t in minibatch} w_t * l_t, with W the number of
+ranks the gradient reduction averages over (FSDP/DDP: world size; 1 for a SUM reduction), so
+    grad = (1 / W) * sum_ranks sum_minibatches d(W * sum_t w_t l_t)/dtheta = dL/dtheta,
+whatever the split of samples into ranks and minibatches (tests/unit/test_global_norm.py).
+
+mask_truncated: tokens of truncated samples get weight 0 and are left out of both counts
+(`loss_counts`), so the remaining samples are normalised as if the truncated ones were never
+drawn. A sample with no weighted token counts in neither denominator.
+
+Metrics are sums over weighted tokens (detached 0-d tensors): add them over minibatches and
+ranks (all-reduce SUM), then `summarize_metrics` turns them into means and fractions.
+This module never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from async_grpo.config import LossConfig
+from async_grpo.core.packing import PackedBatch
+
+# ---- per-token terms --------------------------------------------------------------------
+
+
+def ppo_clip(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """PPO-clip policy loss [T] with asymmetric bounds [1 - clip_low, 1 + clip_high]."""
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [T]
+    return torch.maximum(-adv * ratio, -adv * clipped)  # [T]
+
+
+def dual_clip(pg: Tensor, adv: Tensor, bound: float) -> Tensor:
+    """Cap the loss of negative-advantage tokens at -bound * A (Ye et al. 2020)."""
+    return torch.where(adv < 0, torch.minimum(pg, -bound * adv), pg)  # [T]
+
+
+def tis_weight(old: Tensor, behaviour: Tensor, cap: float | None) -> Tensor:
+    """Truncated importance weight min(exp(old - behaviour), cap) [T], detached; all ones
+    when `cap` is None (TIS disabled)."""
+    if cap is None:
+        return torch.ones_like(old)  # [T]
+    return torch.exp(old - behaviour).detach().clamp(max=cap)  # [T]
+
+
+def kl_k1(logp: Tensor, ref: Tensor) -> Tensor:
+    return logp - ref  # [T]
+
+
+def kl_k2(logp: Tensor, ref: Tensor) -> Tensor:
+    return 0.5 * (logp - ref) ** 2  # [T]
+
+
+def kl_k3(logp: Tensor, ref: Tensor) -> Tensor:
+    d = ref - logp  # [T]
+    return torch.exp(d) - d - 1.0  # [T]
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+
+# ---- aggregation: a weight per token, so the minibatch loss is sum_t w_t * l_t ----------
+
+Aggregation = Callable[[Tensor, Tensor, int, int, float], Tensor]
+
+
+def token_mean(mask: Tensor, sample_index: Tensor, tokens: int, samples: int, c: float) -> Tensor:
+    return mask / max(tokens, 1)  # [T]
+
+
+def seq_mean_token_mean(
+    mask: Tensor, sample_index: Tensor, tokens: int, samples: int, c: float
+) -> Tensor:
+    per_sample = torch.bincount(sample_index, weights=mask)  # [N] loss tokens per sample
+    n = per_sample[sample_index].clamp(min=1.0)  # [T]
+    return mask / n / max(samples, 1)  # [T]
+
+
+def seq_sum_constant(
+    mask: Tensor, sample_index: Tensor, tokens: int, samples: int, c: float
+) -> Tensor:
+    return mask / (max(samples, 1) * c)  # [T]
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "token_mean": token_mean,
+    "seq_mean_token_mean": seq_mean_token_mean,
+    "seq_sum_constant": seq_sum_constant,
+}
+
+# ---- composition --------------------------------------------------------------------------
+
+
+def loss_weight_mask(batch: PackedBatch, mask_truncated: bool) -> Tensor:
+    """Tokens that carry loss [T] bool: completion targets, minus truncated samples if asked."""
+    return batch.loss_mask & ~batch.truncated if mask_truncated else batch.loss_mask
+
+
+def loss_counts(batch: PackedBatch, mask_truncated: bool) -> tuple[int, int]:
+    """(loss tokens, samples with at least one loss token) of one minibatch; sum these over
+    the step's minibatches and ranks to get `global_tokens`, `global_samples`."""
+    mask = loss_weight_mask(batch, mask_truncated)  # [T]
+    samples = batch.sample_index[mask].unique().numel()
+    return int(mask.sum()), samples
+
+
+@dataclass(frozen=True)
+class GRPOLoss:
+    """The configured loss; see the module docstring for the formula."""
+
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    kl_coef: float
+    kl_estimator: Callable[[Tensor, Tensor], Tensor]
+    entropy_coef: float
+    aggregation: Aggregation
+    constant_normalizer: float
+    tis_cap: float | None
+    mask_truncated: bool
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        batch: PackedBatch,
+        global_tokens: int,
+        global_samples: int,
+        entropy: Tensor | None = None,
+        world_size: int = 1,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss of one minibatch (scaled for exact global normalisation) and metric sums.
+        `world_size`: ranks the gradient reduction averages over; 1 if it sums."""
+        mask = loss_weight_mask(batch, self.mask_truncated)  # [T] bool
+        behaviour = batch.behaviour_logprobs  # [T]
+        old = batch.old_logprobs if batch.old_logprobs is not None else behaviour  # [T]
+        adv = batch.advantages  # [T]
+        # off-mask positions are zeroed first, so junk there can neither overflow nor leak grad
+        log_ratio = (logprobs - old).masked_fill(~mask, 0.0)  # [T]
+        ratio = torch.exp(log_ratio)  # [T]
+        pg = ppo_clip(ratio, adv, self.clip_low, self.clip_high)  # [T]
+        if self.dual_clip is not None:
+            pg = dual_clip(pg, adv, self.dual_clip)  # [T]
+        tis = tis_weight(old, behaviour, self.tis_cap).masked_fill(~mask, 0.0)  # [T]
+        per_token = tis * pg  # [T]
+        m = {"tokens": mask.sum(), "ratio_sum": ratio[mask].sum(), "tis_sum": tis.sum()}
+        m |= self._clip_counts(ratio, adv, mask)
+        if self.kl_coef:
+            if batch.ref_logprobs is None:
+                raise ValueError("kl_coef > 0 but the batch has no ref_logprobs")
+            ref = batch.ref_logprobs.masked_fill(~mask, 0.0)  # [T]
+            kl = self.kl_estimator(logprobs.masked_fill(~mask, 0.0), ref)  # [T], 0 off-mask
+            per_token = per_token + self.kl_coef * kl  # [T]
+            m["kl_sum"] = kl[mask].sum()
+        if entropy is not None:
+            per_token = per_token - self.entropy_coef * entropy.masked_fill(~mask, 0.0)  # [T]
+            m["entropy_sum"] = entropy[mask].sum()
+        elif self.entropy_coef:
+            raise ValueError("entropy_coef > 0 but no entropy was passed")
+        weights = self.aggregation(
+            mask.float(),
+            batch.sample_index,
+            global_tokens,
+            global_samples,
+            self.constant_normalizer,
+        )  # [T]
+        loss = (per_token * weights).sum() * world_size
+        return loss, {k: v.detach().float() for k, v in m.items()}
+
+    def _clip_counts(self, ratio: Tensor, adv: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """Tokens whose gradient a bound cut off: low side (A < 0), high side, dual clip."""
+        low = (adv < 0) & (ratio < 1.0 - self.clip_low) & mask  # [T]
+        high = (adv > 0) & (ratio > 1.0 + self.clip_high) & mask  # [T]
+        counts = {"clip_low_sum": low.sum(), "clip_high_sum": high.sum()}
+        if self.dual_clip is not None:
+            dual = (adv < 0) & (ratio > self.dual_clip) & mask  # [T]
+            counts["dual_clip_sum"] = dual.sum()
+        return counts
+
+
+def build_loss(cfg: LossConfig, max_new_tokens: int | None = None) -> GRPOLoss:
+    """A `GRPOLoss` from config; `max_new_tokens` is the Dr.GRPO constant when
+    `cfg.constant_normalizer` is None."""
+    constant = cfg.constant_normalizer if cfg.constant_normalizer is not None else max_new_tokens
+    if cfg.aggregation == "seq_sum_constant" and not constant:
+        raise ValueError("seq_sum_constant: set loss.constant_normalizer or pass max_new_tokens")
+    return GRPOLoss(
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        kl_coef=cfg.kl_coef,
+        kl_estimator=KL_ESTIMATORS[cfg.kl_estimator],
+        entropy_coef=cfg.entropy_coef,
+        aggregation=AGGREGATIONS[cfg.aggregation],
+        constant_normalizer=float(constant or 1.0),
+        tis_cap=cfg.tis_cap,
+        mask_truncated=cfg.mask_truncated,
+    )
+
+
+FRACTIONS = ("clip_low", "clip_high", "dual_clip")
+
+
+def summarize_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Per-token means from metric sums added over minibatches and ranks: `x_sum` becomes
+    `x_frac` for the clip counts, `x_mean` otherwise; `tokens` is kept."""
+    tokens = float(sums.get("tokens", 0.0))
+    out = {"tokens": tokens}
+    for key, value in sums.items():
+        if key.endswith("_sum"):
+            stem = key.removesuffix("_sum")
+            out[stem + ("_frac" if stem in FRACTIONS else "_mean")] = float(value) / max(
+                tokens, 1.0
+            )
+    return out

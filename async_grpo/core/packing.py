@@ -1,0 +1,229 @@
+"""Pack scored samples into one padding-free row, and plan minibatches across ranks.
+
+In: `PackInput`s (token ids, advantage, per-completion-token log-probs).
+Out: a `PackedBatch` whose per-token tensors are aligned on *prediction positions*:
+entry `t` describes the prediction made at position `t`, i.e. of token `t + 1` of the
+same sample. So `labels[0, t] = input_ids[0, t + 1]` when that token is a completion token
+of the same sample, else -100 (prompt targets, each sample's last position, padding);
+`loss_mask = labels[0] != -100`. The model's logits at `t` are scored against `labels[0, t]`
+directly, with no further shift.
+
+Attention isolation: rows are separated by `position_ids` restarting at 0. transformers
+(5.19, sdpa/eager) derives a block-diagonal causal mask from them only when no KV cache is
+built, so `packed_forward` always passes `use_cache=False` (with the cache the log-probs are
+silently wrong; tests/unit/test_packing.py checks both). `block_causal_mask` is the explicit
+4D fallback; `cu_seqlens` serves flash-attn varlen on GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackInput:
+    """One scored sample. The three log-prob lists have one entry per completion token."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    behaviour_logprobs: list[float]  # what the sampler (vLLM) reported
+    ref_logprobs: list[float] | None = None  # reference policy, for the KL penalty
+    old_logprobs: list[float] | None = None  # trainer-side old policy, if recomputed
+    truncated: bool = False  # cut at the generation length limit
+
+
+@dataclass
+class PackedBatch:
+    """Samples concatenated into one row of T tokens. Per-token tensors follow the
+    prediction-position convention of the module docstring and are 0 where `loss_mask` is
+    False. `num_tokens` counts loss tokens, `num_samples` real samples; the placeholder for an
+    empty minibatch (see `pack`) has one pad token, `num_samples == 0` and no loss token."""
+
+    input_ids: Tensor  # [1, T] long
+    position_ids: Tensor  # [1, T] long, restarting at 0 per sample
+    labels: Tensor  # [1, T] long, next token of the same sample or -100
+    sample_index: Tensor  # [T] long, which sample each position belongs to
+    advantages: Tensor  # [T] float32
+    behaviour_logprobs: Tensor  # [T] float32
+    ref_logprobs: Tensor | None  # [T] float32
+    old_logprobs: Tensor | None  # [T] float32
+    loss_mask: Tensor  # [T] bool
+    truncated: Tensor  # [T] bool, the sample's truncated flag at each of its positions
+    seq_lens: list[int]
+    cu_seqlens: Tensor  # [num_samples + 1] int32, cumulative seq_lens from 0
+    num_samples: int
+    num_tokens: int
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with every tensor moved to `device`."""
+        moved = {
+            k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()
+        }
+        return PackedBatch(**moved)
+
+
+def pack(samples: list[PackInput], pad_token_id: int = 0) -> PackedBatch:
+    """Concatenate `samples` into a `PackedBatch`.
+
+    `ref_logprobs` / `old_logprobs` must be given for all samples or for none. An empty list
+    gives a placeholder batch of one `pad_token_id` with no loss token: the trainer runs its
+    forward/backward anyway (the loss is an exact 0 but still depends on every parameter), so
+    every rank joins the same FSDP collectives.
+    """
+    if not samples:
+        return _placeholder(pad_token_id)
+    for name in ("ref_logprobs", "old_logprobs"):
+        given = [getattr(s, name) is not None for s in samples]
+        if any(given) and not all(given):
+            raise ValueError(
+                f"{name}: given for {sum(given)} of {len(samples)} samples; need all or none"
+            )
+    has_ref, has_old = samples[0].ref_logprobs is not None, samples[0].old_logprobs is not None
+    ids, pos, labels, index = [], [], [], []
+    adv, behaviour, ref, old = [], [], [], []
+    for i, s in enumerate(samples):
+        _check(i, s)
+        n_p, n_c = len(s.prompt_ids), len(s.completion_ids)
+        n = n_p + n_c
+        ids += s.prompt_ids + s.completion_ids
+        pos += range(n)
+        index += [i] * n
+        # position t predicts token t + 1: positions n_p - 1 .. n - 2 predict the completion
+        lead, tail = [IGNORE_INDEX] * (n_p - 1), [IGNORE_INDEX]
+        labels += lead + s.completion_ids + tail
+        zeros = [0.0] * (n_p - 1)
+        adv += zeros + [s.advantage] * n_c + [0.0]
+        behaviour += zeros + s.behaviour_logprobs + [0.0]
+        if has_ref:
+            ref += zeros + s.ref_logprobs + [0.0]
+        if has_old:
+            old += zeros + s.old_logprobs + [0.0]
+    seq_lens = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    labels_t = torch.tensor([labels])  # [1, T]
+    sample_index = torch.tensor(index)  # [T]
+    loss_mask = labels_t[0] != IGNORE_INDEX  # [T]
+    f32 = torch.float32
+    return PackedBatch(
+        input_ids=torch.tensor([ids]),  # [1, T]
+        position_ids=torch.tensor([pos]),  # [1, T]
+        labels=labels_t,
+        sample_index=sample_index,
+        advantages=torch.tensor(adv, dtype=f32),  # [T]
+        behaviour_logprobs=torch.tensor(behaviour, dtype=f32),  # [T]
+        ref_logprobs=torch.tensor(ref, dtype=f32) if has_ref else None,  # [T]
+        old_logprobs=torch.tensor(old, dtype=f32) if has_old else None,  # [T]
+        loss_mask=loss_mask,
+        truncated=torch.tensor([s.truncated for s in samples])[sample_index],  # [T]
+        seq_lens=seq_lens,
+        cu_seqlens=_cu_seqlens(seq_lens),
+        num_samples=len(samples),
+        num_tokens=int(loss_mask.sum()),
+    )
+
+
+def _check(i: int, s: PackInput) -> None:
+    if not s.prompt_ids:
+        raise ValueError(f"sample {i}: empty prompt; the first completion token needs a position")
+    n_c = len(s.completion_ids)
+    for name in ("behaviour_logprobs", "ref_logprobs", "old_logprobs"):
+        values = getattr(s, name)
+        if values is not None and len(values) != n_c:
+            raise ValueError(f"sample {i}: {name} has {len(values)} entries, expected {n_c}")
+
+
+def _cu_seqlens(seq_lens: list[int]) -> Tensor:
+    return torch.tensor([0, *seq_lens], dtype=torch.long).cumsum(0).to(torch.int32)  # [N + 1]
+
+
+def _placeholder(pad_token_id: int) -> PackedBatch:
+    zero = torch.zeros(1)  # [1]
+    return PackedBatch(
+        input_ids=torch.tensor([[pad_token_id]]),
+        position_ids=torch.zeros(1, 1, dtype=torch.long),
+        labels=torch.full((1, 1), IGNORE_INDEX),
+        sample_index=torch.zeros(1, dtype=torch.long),
+        advantages=zero,
+        behaviour_logprobs=zero.clone(),
+        ref_logprobs=zero.clone(),  # so a KL-penalised loss accepts it too
+        old_logprobs=None,
+        loss_mask=torch.zeros(1, dtype=torch.bool),
+        truncated=torch.zeros(1, dtype=torch.bool),
+        seq_lens=[1],
+        cu_seqlens=_cu_seqlens([1]),
+        num_samples=0,
+        num_tokens=0,
+    )
+
+
+def plan_minibatches(lengths: list[int], max_tokens: int, num_ranks: int) -> list[list[list[int]]]:
+    """Split samples (by index) into per-rank minibatches of at most `max_tokens` tokens.
+
+    First-fit-decreasing into minibatches (longest sample first, into the first minibatch
+    with room), then minibatches are dealt, largest first, to the least-loaded rank that
+    still has fewer than ceil(#minibatches / num_ranks). Every rank gets the same number of
+    minibatches; ranks that run short get empty ones, which `pack([])` turns into
+    placeholders with zero loss. Returns `plan[rank][minibatch] = [sample indices]`.
+    """
+    if num_ranks < 1 or max_tokens < 1:
+        raise ValueError(f"need num_ranks >= 1 and max_tokens >= 1, got {num_ranks}, {max_tokens}")
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ValueError(f"sample {i} has {n} tokens, above max_tokens={max_tokens}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        b = next((b for b, r in enumerate(room) if r >= lengths[i]), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(max_tokens)
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    depth = max(1, -(-len(bins) // num_ranks))
+    plan: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for b in sorted(range(len(bins)), key=lambda b: (room[b], b)):  # fullest first
+        r = min((r for r in range(num_ranks) if len(plan[r]) < depth), key=lambda r: (load[r], r))
+        plan[r].append(bins[b])
+        load[r] += max_tokens - room[b]
+    for p in plan:
+        p += [[] for _ in range(depth - len(p))]
+    return plan
+
+
+def block_causal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive 4D mask [1, 1, T, T]: 0 where query and key share a sample and key <= query,
+    dtype-min elsewhere. The explicit fallback when position_ids alone do not isolate rows."""
+    index = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))  # [T]
+    t = index.numel()
+    causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
+    allowed = causal & (index[:, None] == index[None, :])  # [T, T]
+    mask = torch.zeros(t, t, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]  # [1, 1, T, T]
+
+
+def packed_forward(model: nn.Module, batch: PackedBatch, explicit_mask: bool = False) -> Tensor:
+    """Logits [T, V] of a Hugging Face causal LM on a packed row (see the module docstring)."""
+    out = model(use_cache=False, **_model_inputs(model, batch, explicit_mask))
+    return out.logits[0]  # [T, V]
+
+
+def packed_hidden(model: nn.Module, batch: PackedBatch, explicit_mask: bool = False) -> Tensor:
+    """Last hidden states [T, H] (after the final norm) of `model.model`, the decoder without
+    its LM head; pair with `logprobs_from_hidden` so full logits are never built."""
+    out = model.model(use_cache=False, **_model_inputs(model, batch, explicit_mask))
+    return out.last_hidden_state[0]  # [T, H]
+
+
+def _model_inputs(model: nn.Module, batch: PackedBatch, explicit_mask: bool) -> dict[str, Tensor]:
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    if explicit_mask:
+        dtype = next(model.parameters()).dtype
+        mask = block_causal_mask(batch.seq_lens, dtype).to(batch.input_ids.device)  # [1, 1, T, T]
+        inputs["attention_mask"] = mask
+    return inputs
