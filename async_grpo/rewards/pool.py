@@ -1,0 +1,112 @@
+"""The verifier: `VerifierWorker` (a plain class, a Ray actor where composed) and
+`VerifierPool`, which starts `num_workers` of them and spreads batches over them.
+
+In: lists of `RewardInput`. Out: one combined `RewardOutput` per input, in order, and
+counters (`verifier/scored`, `verifier/timeouts`, `verifier/errors`, `verifier/restarts`).
+Every sample comes back: a timeout or crash is a 0 with its reason, never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+from async_grpo.config import VerifierConfig
+from async_grpo.rewards.registry import CombinedReward, RewardInput, RewardOutput, get_reward
+from async_grpo.rewards.sandbox import DEFAULT_MEMORY_BYTES, SandboxPool
+
+STATS_KEYS = ("verifier/scored", "verifier/timeouts", "verifier/errors", "verifier/restarts")
+
+
+class VerifierWorker:
+    """Scores samples with the configured rewards, `cfg.max_concurrency` at a time, each
+    in a sandbox subprocess killed after `cfg.timeout_s`. Usable with or without Ray."""
+
+    def __init__(self, cfg: VerifierConfig, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
+        scorer = CombinedReward(
+            rewards={name: get_reward(name) for name in cfg.rewards},
+            rule=cfg.combine,
+            weights=dict(cfg.weights),
+        )
+        self._sandbox = SandboxPool(scorer, cfg.max_concurrency, cfg.timeout_s, memory_bytes)
+
+    async def score(self, items: list[RewardInput]) -> list[RewardOutput]:
+        """One combined output per item, in order."""
+        return await self._sandbox.score_many(items)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start (see `SandboxPool.stats`)."""
+        return self._sandbox.stats()
+
+    def close(self) -> None:
+        """Kill the scoring subprocesses."""
+        self._sandbox.close()
+
+
+class VerifierPool:
+    """`num_workers` VerifierWorker actors; a batch is split into one chunk per worker and
+    each chunk goes to the worker with the fewest samples in flight."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        if not actors:
+            raise ValueError("VerifierPool needs at least one actor")
+        self._actors = actors
+        self._in_flight = [0] * len(actors)
+
+    @classmethod
+    def start(
+        cls, cfg: VerifierConfig, num_cpus: float = 1.0, start_timeout_s: float = 120.0
+    ) -> VerifierPool:
+        """Start the actors (Ray must be initialised) and wait until each one is up.
+
+        `num_cpus` is what each actor reserves from Ray; its subprocesses do the work.
+        """
+        import ray
+
+        actor_cls = ray.remote(VerifierWorker).options(num_cpus=num_cpus)
+        actors = [actor_cls.remote(cfg) for _ in range(cfg.num_workers)]
+        try:
+            ray.get([a.stats.remote() for a in actors], timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            for actor in actors:
+                ray.kill(actor)
+            raise TimeoutError(
+                f"{cfg.num_workers} verifier workers did not start within {start_timeout_s} s "
+                f"(each needs {num_cpus} CPU from Ray)"
+            ) from e
+        return cls(actors)
+
+    async def score(self, items: list[RewardInput]) -> list[RewardOutput]:
+        """Score `items` over the workers; one output per item, in order."""
+        if not items:
+            return []
+        size = math.ceil(len(items) / len(self._actors))
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        results = await asyncio.gather(*(self._score_chunk(c) for c in chunks))
+        return [out for chunk in results for out in chunk]
+
+    async def _score_chunk(self, chunk: list[RewardInput]) -> list[RewardOutput]:
+        index = min(range(len(self._actors)), key=self._in_flight.__getitem__)
+        self._in_flight[index] += len(chunk)
+        try:
+            return await self._actors[index].score.remote(chunk)
+        finally:
+            self._in_flight[index] -= len(chunk)
+
+    def stats(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Counters summed over the workers."""
+        import ray
+
+        per_worker = ray.get([a.stats.remote() for a in self._actors], timeout=timeout_s)
+        return {key: sum(s.get(key, 0) for s in per_worker) for key in STATS_KEYS}
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the scoring subprocesses, then the actors."""
+        import ray
+
+        try:
+            ray.get([a.close.remote() for a in self._actors], timeout=timeout_s)
+        finally:
+            for actor in self._actors:
+                ray.kill(actor)
