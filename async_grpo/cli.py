@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from async_grpo.cli_cluster import add_cluster_parsers
 from async_grpo.errors import UserError
 from async_grpo.plot_cli import add_plot_parser
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--out", required=True)
     p.set_defaults(func=_data)
 
+    add_cluster_parsers(sub)
     add_plot_parser(sub)
     return parser
 

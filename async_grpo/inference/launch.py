@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from async_grpo.config import GenerationConfig, LogprobConfig
+from async_grpo.config import GenerationConfig, LogprobConfig, VerifierConfig
 from async_grpo.ray_utils import NAMESPACE, registry_name
 
 START_TIMEOUT_S = 900.0
+VERIFIER_CAPACITY = 4096  # samples a verifier worker accepts at once
 
 
 def ensure_registry(pool: str, heartbeat_timeout_s: float = 30.0) -> Any:
@@ -113,3 +114,37 @@ def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
     ray.wait(refs, num_returns=len(refs), timeout=drain_timeout_s + 30)
     for w in workers:
         ray.kill(w)
+
+
+def start_verifier_workers(
+    cfg: VerifierConfig, count: int, detached: bool = False, timeout_s: float = 120.0
+) -> list[Any]:
+    """Start `count` verifier actors and register them in the `verifier` registry.
+
+    Capacity is in samples queued per worker; each worker scores `cfg.max_concurrency`
+    at a time in sandbox subprocesses (those do the CPU work, so the actor reserves none).
+    """
+    import socket
+
+    import ray
+
+    from async_grpo.rewards.pool import VerifierWorker
+
+    registry = ensure_registry("verifier")
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
+    if detached:
+        opts["lifetime"] = "detached"
+    actor = ray.remote(VerifierWorker).options(**opts)
+    workers = [actor.remote(cfg) for _ in range(count)]
+    _wait_started([w.stats.remote() for w in workers], "verifier workers", timeout_s)
+    stamp = time.strftime("%H%M%S")
+    ray.get(
+        [
+            registry.register.remote(
+                f"verify-{stamp}-{i}", w, VERIFIER_CAPACITY, 0, socket.gethostname(), False
+            )
+            for i, w in enumerate(workers)
+        ],
+        timeout=timeout_s,
+    )
+    return workers

@@ -25,6 +25,7 @@ class _Worker:
     version: int
     node: str
     last_heartbeat: float
+    heartbeats: bool = True
 
 
 class LeastLoadedRegistry:
@@ -39,12 +40,23 @@ class LeastLoadedRegistry:
         self.dropped: dict[str, str] = {}  # worker id -> reason
 
     async def register(
-        self, worker_id: str, handle: Any, capacity: int, version: int, node: str = ""
+        self,
+        worker_id: str,
+        handle: Any,
+        capacity: int,
+        version: int,
+        node: str = "",
+        heartbeats: bool = True,
     ) -> tuple[int, list[Any]] | None:
-        """Add a worker; returns the latest published weights it should load first, if any."""
+        """Add a worker; returns the latest published weights it should load first, if any.
+
+        A worker registered with `heartbeats=False` never expires; callers still drop it
+        when a call finds it dead."""
         if capacity <= 0:
             raise ValueError(f"worker {worker_id}: capacity must be > 0, got {capacity}")
-        self._workers[worker_id] = _Worker(handle, capacity, 0, version, node, time.monotonic())
+        self._workers[worker_id] = _Worker(
+            handle, capacity, 0, version, node, time.monotonic(), heartbeats
+        )
         self.dropped.pop(worker_id, None)
         await self._notify()
         if self._weights is not None and self._weights[0] > version:
@@ -131,7 +143,7 @@ class LeastLoadedRegistry:
     def _expire(self) -> None:
         now = time.monotonic()
         for wid, w in list(self._workers.items()):
-            if now - w.last_heartbeat > self.heartbeat_timeout_s:
+            if w.heartbeats and now - w.last_heartbeat > self.heartbeat_timeout_s:
                 del self._workers[wid]
                 self.dropped[wid] = f"no heartbeat for {now - w.last_heartbeat:.0f}s"
 

@@ -20,6 +20,7 @@ class RegisteredWorker:
         self.capacity = capacity
         self.version = 0
         self.in_flight = 0
+        self.stopping = False
         self.registry: Any = None
         self._heartbeat: asyncio.Task | None = None
 
@@ -61,10 +62,12 @@ class RegisteredWorker:
             "version": self.version,
             "in_flight": self.in_flight,
             "requests_served": getattr(self, "requests_served", 0),
+            "stopping": self.stopping,
         }
 
     async def drain(self, timeout_s: float) -> dict[str, int]:
         """Deregister (no new leases), then wait for in-flight requests up to `timeout_s`."""
+        self.stopping = True
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         if self.registry is not None:

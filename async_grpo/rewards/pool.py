@@ -30,6 +30,7 @@ class VerifierWorker:
             weights=dict(cfg.weights),
         )
         self._sandbox = SandboxPool(scorer, cfg.max_concurrency, cfg.timeout_s, memory_bytes)
+        self._stopping = False
 
     async def score(self, items: list[RewardInput]) -> list[RewardOutput]:
         """One combined output per item, in order."""
@@ -42,6 +43,15 @@ class VerifierWorker:
     def close(self) -> None:
         """Kill the scoring subprocesses."""
         self._sandbox.close()
+
+    def ping(self) -> dict[str, Any]:
+        return {"stopping": self._stopping, **self.stats()}
+
+    async def stop(self, drain_timeout_s: float = 30.0) -> dict[str, int]:
+        """The pool-worker stop: no drain is needed beyond the per-sample timeout."""
+        self._stopping = True
+        self.close()
+        return {"abandoned": 0}
 
 
 class VerifierPool:

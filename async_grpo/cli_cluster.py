@@ -1,0 +1,159 @@
+"""Cluster commands: `worker` (start pool workers on this node), `status`, `stop`.
+
+`async-grpo worker` joins a running Ray cluster, starts workers on this node, registers
+them, and stays up until Ctrl-C or `async-grpo stop`; then it drains and exits.
+Launching it on every node is how a multi-node cluster is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import time
+from typing import Any
+
+from async_grpo.errors import UserError
+
+POOLS = ("generation", "logprob", "verifier")
+
+
+def add_cluster_parsers(sub: Any) -> None:
+    p = sub.add_parser("worker", help="start pool workers on this Ray node and keep them up")
+    p.add_argument("--mode", choices=POOLS, required=True)
+    p.add_argument("--model", default=None, help="model folder or prepared name (not for verifier)")
+    p.add_argument("--num-workers", type=int, default=None, help="default: from the config")
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--config", default=None, help="YAML config for the pool's settings")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. generation.threads=2")
+    p.set_defaults(func=run_worker)
+
+    p = sub.add_parser("status", help="list registered workers with load and weight version")
+    p.add_argument("--address", default="auto")
+    p.set_defaults(func=run_status)
+
+    p = sub.add_parser("stop", help="drain and stop every registered worker")
+    p.add_argument("--address", default="auto")
+    p.set_defaults(func=run_stop)
+
+
+def _connect(address: str) -> None:
+    from async_grpo.ray_utils import connect
+
+    host, sep, port = address.rpartition(":")
+    if sep and port.isdigit():  # fail fast: ray.init retries an absent cluster for minutes
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise UserError(
+                f"no Ray cluster at {address!r} ({e.strerror or e}); start one with"
+                " `ray start --head --node-ip-address=127.0.0.1 --include-dashboard=false`"
+            ) from None
+    try:
+        connect(address)
+    except ConnectionError as e:
+        raise UserError(
+            f"no Ray cluster at {address!r} ({e}); start one with"
+            " `ray start --head --node-ip-address=127.0.0.1 --include-dashboard=false`"
+        ) from None
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from async_grpo.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.mode != "verifier" and args.model is None:
+        args.model = cfg.model
+    _connect(args.address)
+    workers = _start(args, cfg)
+    print(
+        f"{len(workers)} {args.mode} worker(s) registered; Ctrl-C or `async-grpo stop` ends them",
+        flush=True,
+    )
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    while not stop["now"] and _any_alive(workers):
+        time.sleep(1.0)
+    from async_grpo.inference.launch import stop_workers
+
+    stop_workers(workers)
+    print(f"{args.mode} workers stopped", flush=True)
+    return 0
+
+
+def _start(args: argparse.Namespace, cfg: Any) -> list[Any]:
+    from async_grpo.inference import launch
+
+    if args.mode == "verifier":
+        n = args.num_workers or cfg.verifier.num_workers
+        return launch.start_verifier_workers(cfg.verifier, n, detached=False)
+    from async_grpo.models import resolve_model
+
+    model = str(resolve_model(args.model))
+    if args.mode == "generation":
+        n = args.num_workers or cfg.generation.num_workers
+        return launch.start_generation_workers(model, cfg.generation, n, args.device)
+    n = args.num_workers or cfg.logprob.num_workers
+    return launch.start_logprob_workers(model, cfg.logprob, n, args.device)
+
+
+def _any_alive(workers: list[Any]) -> bool:
+    import ray
+
+    alive = 0
+    for w in workers:
+        try:
+            state = ray.get(w.ping.remote(), timeout=30)
+            alive += not state.get("stopping", False)
+        except Exception:  # dead or unreachable: counts as stopped
+            pass
+    return alive > 0
+
+
+def _registries() -> dict[str, Any]:
+    import ray
+
+    from async_grpo.ray_utils import NAMESPACE, registry_name
+
+    found = {}
+    for pool in POOLS:
+        with contextlib.suppress(ValueError):
+            found[pool] = ray.get_actor(registry_name(pool), namespace=NAMESPACE)
+    return found
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import ray
+
+    _connect(args.address)
+    rows = []
+    for registry in _registries().values():
+        rows += ray.get(registry.status.remote(), timeout=30)
+    if not rows:
+        print("no workers registered")
+        return 0
+    print(f"{'pool':<11} {'worker':<22} {'load':>9} {'version':>7}  node  heartbeat")
+    for r in rows:
+        print(
+            f"{r.pool:<11} {r.worker_id:<22} {r.load:>4}/{r.capacity:<4} {r.version:>7}"
+            f"  {r.node}  {r.seconds_since_heartbeat}s ago"
+        )
+    return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    import ray
+
+    _connect(args.address)
+    n = 0
+    for registry in _registries().values():
+        handles = ray.get(registry.handles.remote(), timeout=30)
+        refs = [h.stop.remote(30.0) for h in handles.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        ray.get([registry.deregister.remote(wid) for wid in handles], timeout=30)
+        n += len(refs)
+    print(f"asked {n} worker(s) to drain and stop")
+    return 0

@@ -1,0 +1,66 @@
+"""Log-prob workers on a real local Ray cluster, with a tiny random llama."""
+
+import asyncio
+
+import pytest
+import torch
+
+from async_grpo.config import LogprobConfig
+from async_grpo.inference.types import RequestError
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_dir):
+    import ray
+
+    from async_grpo.inference.launch import start_logprob_workers, stop_workers
+    from async_grpo.ray_utils import connect
+
+    connect(None, num_cpus=4, object_store_bytes=256 << 20)
+    (w,) = start_logprob_workers(str(tiny_model_dir), LogprobConfig(max_tokens_per_batch=64), 1)
+    yield w
+    stop_workers([w], drain_timeout_s=5)
+    ray.shutdown()
+
+
+def _reference(model, prompt, completion):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()  # [L, V]
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
+
+
+def test_batched_logprobs_match_one_at_a_time(worker, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from async_grpo.inference.client import PoolClient
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    pairs = [
+        (
+            torch.randint(0, 49152, (5 + i % 7,), generator=g).tolist(),
+            torch.randint(0, 49152, (3 + i % 5,), generator=g).tolist(),
+        )
+        for i in range(24)
+    ]
+    client = PoolClient("logprob")
+
+    async def run():  # 24 concurrent callers; the worker packs them into 64-token rows
+        return await asyncio.gather(*[client.call(1, "logprobs", [p]) for p in pairs])
+
+    results = [r[0] for r in asyncio.run(run())]
+    for (p, c), got in zip(pairs, results, strict=True):
+        assert len(got) == len(c)
+        assert max(abs(a - b) for a, b in zip(got, _reference(model, p, c), strict=True)) < 1e-4
+
+
+def test_oversized_sample_fails_alone(worker):
+    import ray
+
+    with pytest.raises(RequestError, match="exceeds max_tokens_per_batch=64"):
+        ray.get(worker.logprobs.remote([([1] * 60, [2] * 10)]))
+    assert len(ray.get(worker.logprobs.remote([([1, 2, 3], [4, 5])]))[0]) == 2
