@@ -46,6 +46,38 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from async_grpo.config import load_config
+    from async_grpo.trainer.loop import train
+
+    train(load_config(args.config, args.overrides), args.address, args.resume)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import signal
+
+    from async_grpo.config import load_config
+    from async_grpo.run import run_local
+
+    cfg = load_config(args.config, args.overrides)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
+    return run_local(cfg, args.config, args.overrides, args.address, args.resume)
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config (configs/quickstart.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
+    p.add_argument("--address", default=None, help="Ray cluster address")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="resume from the latest checkpoint of output_dir, or from a step dir",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="async-grpo", description="Asynchronous GRPO training on Ray (vLLM + FSDP2)."
@@ -78,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="smollm2-135m", help="model folder or prepared name")
     d.add_argument("-o", "--out", required=True)
     p.set_defaults(func=_data)
+
+    p = sub.add_parser("run", help="train on this machine: Ray, pools and torchrun, one command")
+    _add_run_args(p)
+    p.set_defaults(func=_run)
+
+    p = sub.add_parser("train", help="the trainer; run it under torchrun against running pools")
+    _add_run_args(p)
+    p.set_defaults(func=_train)
 
     add_cluster_parsers(sub)
     add_plot_parser(sub)

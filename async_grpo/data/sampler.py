@@ -32,6 +32,13 @@ class PromptSampler:
         self.position += 1
         return index
 
+    def index_at(self, draw: int) -> int:
+        """The prompt index of global draw number `draw` (0-based), without moving the
+        sampler: draw k is position k % n of epoch k // n. Stateless, so exact to resume."""
+        epoch, position = divmod(draw, self.num_prompts)
+        order = self._order if epoch == self.epoch else self._permutation(epoch)
+        return order[position]
+
     def take(self, k: int) -> list[int]:
         return [self.next() for _ in range(k)]
 

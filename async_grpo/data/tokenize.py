@@ -25,3 +25,20 @@ def tokenize_prompts(prompts: list[Prompt], model_dir: Path) -> list[Prompt]:
     for p in prompts:
         p.input_token_ids = chat_token_ids(tokenizer, p.input)
     return prompts
+
+
+def prepare_prompts(data_path: str | Path, model_dir: Path, max_model_len: int) -> list[Prompt]:
+    """Load, tokenize where needed, and refuse prompts that leave no room to generate."""
+    from async_grpo.data.jsonl import DataError, load_prompts
+
+    prompts = load_prompts(data_path)
+    missing = [p for p in prompts if p.input_token_ids is None]
+    if missing:
+        tokenize_prompts(missing, model_dir)
+    for p in prompts:
+        if len(p.input_token_ids) >= max_model_len:
+            raise DataError(
+                f"{data_path}:{p.line}: field 'input': {len(p.input_token_ids)} prompt tokens"
+                f" leave no room to generate in generation.max_model_len={max_model_len}"
+            )
+    return prompts

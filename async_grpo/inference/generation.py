@@ -37,6 +37,19 @@ def vllm_env(cfg: GenerationConfig, device: str) -> dict[str, str]:
     return env
 
 
+def cpu_scheduler_args(cfg: GenerationConfig, device: str) -> dict[str, Any]:
+    """On CPU, prefill whole prompts (no chunked prefill).
+
+    vLLM rewinds a seeded request's random generator when it discards the token sampled
+    after a partial prefill chunk; CPU torch generators have no offset, so the engine dies
+    ("CPU Generator does not use offset"). Without chunked prefill no sample is discarded.
+    See docs/vllm-cpu.md.
+    """
+    if device != "cpu":
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
+
+
 class GenerationWorker(RegisteredWorker):
     """A vLLM engine that serves many `generate` calls at once and accepts weight updates."""
 
@@ -73,6 +86,7 @@ class GenerationWorker(RegisteredWorker):
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes
             worker_extension_cls="async_grpo.inference.vllm_ext.WeightSyncExtension",
             disable_log_stats=True,
+            **cpu_scheduler_args(c, self.device),
         )
         self.engine = AsyncLLM.from_engine_args(args)
         if register:

@@ -122,3 +122,10 @@ def test_tokenize_writes_chat_token_ids(tmp_path, smollm2_dir):
     text = tok.decode(prompts[0].input_token_ids)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
     assert prompts[0].input in text
+
+
+def test_sampler_index_at_matches_the_sequence():
+    s = PromptSampler(5, seed=2)
+    seq = s.take(17)
+    fresh = PromptSampler(5, seed=2)
+    assert [fresh.index_at(k) for k in range(17)] == seq

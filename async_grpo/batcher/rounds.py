@@ -1,0 +1,33 @@
+"""Token-budgeted rounds: one minibatch per trainer rank, filled first-fit-decreasing.
+
+A round is emitted while the batch is still being generated, as soon as every rank's bin
+is filled to `min_fill` of the budget; the rest of the batch goes out at its end through
+`plan_minibatches`, which pads ranks with empty minibatches so all ranks run the same
+number of forward/backward passes.
+"""
+
+from __future__ import annotations
+
+FILL_TARGET = 0.95
+
+
+def fill_round(
+    lengths: list[int], num_ranks: int, budget: int, min_fill: float = FILL_TARGET
+) -> list[list[int]] | None:
+    """Indices for one minibatch per rank, each bin <= `budget` and >= `min_fill * budget`
+    tokens; None when the samples at hand cannot fill every bin yet."""
+    for i, n in enumerate(lengths):
+        if n > budget:
+            raise ValueError(f"sample {i} has {n} tokens, above the budget of {budget}")
+    bins: list[list[int]] = [[] for _ in range(num_ranks)]
+    room = [budget] * num_ranks
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        # best fit: the bin with the least room that still takes the sample
+        fits = [r for r in range(num_ranks) if room[r] >= lengths[i]]
+        if fits:
+            r = min(fits, key=room.__getitem__)
+            bins[r].append(i)
+            room[r] -= lengths[i]
+    if all(budget - left >= min_fill * budget for left in room):
+        return bins
+    return None

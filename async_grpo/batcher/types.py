@@ -1,0 +1,63 @@
+"""Wire types from the batcher to the trainer ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from async_grpo.core.packing import PackInput
+
+
+@dataclass
+class ScoredSample:
+    """One completion with its reward and group advantage.
+
+    Invariants: len(logprobs) == len(completion_ids); `version` is the policy version that
+    generated it; `ref_logprobs` is None unless the KL penalty is on.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    components: dict[str, float]
+    advantage: float
+    version: int
+    truncated: bool
+    ref_logprobs: list[float] | None = None
+
+    def to_pack_input(self) -> PackInput:
+        return PackInput(
+            self.prompt_ids,
+            self.completion_ids,
+            self.advantage,
+            self.logprobs,
+            self.ref_logprobs,
+            None,
+            self.truncated,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class Minibatch:
+    """What one rank runs in one forward/backward. `samples` may be empty (a padding pass
+    that keeps the ranks' collectives in step); their tokens total <= max_tokens_per_gpu."""
+
+    step: int
+    samples: list[PackInput]
+    num_tokens: int
+
+
+@dataclass
+class EndOfBatch:
+    """Closes step `step` for a rank: the global counts for exact normalisation (summed over
+    every rank and minibatch of the step) and the batch's statistics."""
+
+    step: int
+    global_tokens: int  # completion tokens that carry loss
+    global_samples: int
+    num_minibatches: int  # per rank, identical on every rank
+    stats: dict[str, float] = field(default_factory=dict)

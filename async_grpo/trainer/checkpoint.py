@@ -1,0 +1,85 @@
+"""Checkpoints: an HF folder (loadable by transformers and vLLM) + exact-resume state.
+
+Layout: OUTPUT_DIR/checkpoints/step_N/{hf/, dcp/, trainer_state.json}, and
+OUTPUT_DIR/checkpoints/latest naming the newest complete one. `trainer_state.json` is
+written last, so a checkpoint without it is incomplete and never resumed from. The
+sampler needs no state of its own: step N draws prompts N*q .. N*q+q-1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from async_grpo.errors import UserError
+
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step_{step}"
+
+
+def save(
+    output_dir: str,
+    step: int,
+    policy: Any,
+    opt: Any,
+    sched: Any,
+    full_state: dict[str, Any],
+    tokenizer_dir: str,
+    rank: int,
+) -> Path:
+    """Collective: every rank writes its shard; rank 0 writes the HF folder and the state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = checkpoint_dir(output_dir, step)
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+    if rank == 0:
+        from transformers import AutoTokenizer
+
+        policy.hf.save_pretrained(path / "hf", state_dict=full_state)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "hf")
+        state = {"step": step, "policy_version": step, "scheduler": sched.state_dict()}
+        tmp = path / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path / STATE_FILE)
+        latest = path.parent / "latest"
+        (path.parent / "latest.tmp").write_text(path.name)
+        os.replace(path.parent / "latest.tmp", latest)
+    dist.barrier()
+    return path
+
+
+def find_resume(output_dir: str, resume: str) -> Path:
+    """`resume` is "latest" (the newest complete checkpoint of OUTPUT_DIR) or a step dir."""
+    if resume == "latest":
+        latest = Path(output_dir) / "checkpoints" / "latest"
+        if not latest.is_file():
+            raise UserError(f"--resume: no checkpoint in {latest.parent}")
+        path = latest.parent / latest.read_text().strip()
+    else:
+        path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise UserError(f"--resume: {path} is not a complete checkpoint (no {STATE_FILE})")
+    return path
+
+
+def load(path: Path, policy: Any, opt: Any, sched: Any) -> int:
+    """Restore model, optimizer and scheduler in place (collective); returns the step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    set_state_dict(policy, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    info = json.loads((path / STATE_FILE).read_text())
+    sched.load_state_dict(info["scheduler"])
+    return int(info["step"])
