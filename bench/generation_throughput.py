@@ -129,9 +129,13 @@ def main() -> None:
     print(f"ratio pool / raw:        {pooled / raw:7.2f}  (goal >= 0.9)", flush=True)
     for w in gen:
         ray.kill(w)
-    start_logprob_workers(model_dir, LogprobConfig(max_tokens_per_batch=2048, threads=2), 1)
+    # keep the handle: an actor whose handles are all dropped is ended by Ray
+    lp_workers = start_logprob_workers(
+        model_dir, LogprobConfig(max_tokens_per_batch=2048, threads=2), 1
+    )
     lp = asyncio.run(logprob_rate(prompts, args.n, args.tokens))
     print(f"logprob worker (fp32):   {lp:7.1f} tokens/s (prompt + completion)", flush=True)
+    del lp_workers
     ray.shutdown()
 
 
