@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-BUCKET_BYTES = 256 << 20
+BUCKET_BYTES = 32 << 20  # small enough to overlap casting with sending
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,13 @@ class WeightSyncGroup:
         else:
             raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _start_broadcast(self, tensor: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self._start_broadcast(tensor).wait()
 
     def send(
         self,
@@ -90,15 +93,27 @@ class WeightSyncGroup:
         metas: list[TensorMeta],
         bucket_bytes: int = BUCKET_BYTES,
     ) -> int:
-        """Rank 0: broadcast the tensors described by `metas`; returns bytes sent."""
+        """Rank 0: broadcast the tensors described by `metas`; returns bytes sent.
+
+        Casting bucket k+1 overlaps the broadcast of bucket k (one broadcast in flight)."""
         sent = 0
+        in_flight = None
         for bucket in plan_buckets(metas, bucket_bytes):
             dtype = getattr(torch, metas[bucket[0]].dtype)
-            flat = torch.cat(
-                [named[i][1].detach().reshape(-1).to(self.device, dtype) for i in bucket]
+            flat = torch.empty(
+                sum(metas[i].numel for i in bucket), dtype=dtype, device=self.device
             )  # [sum numel]
-            self._broadcast(flat)
+            offset = 0
+            for i in bucket:  # cast while copying: no per-tensor temporaries
+                n = metas[i].numel
+                flat[offset : offset + n].copy_(named[i][1].detach().reshape(-1))
+                offset += n
+            if in_flight is not None:
+                in_flight[0].wait()
+            in_flight = (self._start_broadcast(flat), flat)
             sent += flat.numel() * flat.element_size()
+        if in_flight is not None:
+            in_flight[0].wait()
         return sent
 
     def recv(

@@ -91,3 +91,26 @@ def test_checkpoint_loads_in_transformers(runs):
     model = AutoModelForCausalLM.from_pretrained(base / "cut/checkpoints/step_3/hf")
     out = model(torch.tensor([[1, 2, 3]])).logits
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.slow
+def test_smollm2_loop_runs(smollm2_dir, tmp_path):
+    """The same loop with the real SmolLM2-135M (minutes): `pytest -m slow`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "async_grpo.cli",
+        "run",
+        str(REPO / "configs/quickstart.yaml"),
+        f"output_dir={tmp_path}",
+        "trainer.max_steps=2",
+        "batcher.questions_per_step=2",
+        "batcher.samples_per_question=4",
+        "generation.max_new_tokens=64",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    metrics = [json.loads(line) for line in (tmp_path / "training_metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["samples"] == 8 and m["grad_norm"] >= 0 for m in metrics)
+    assert metrics[0]["worker_version/min"] == 1.0
