@@ -96,7 +96,6 @@ def trainer_figure(tokens: int) -> tuple[float, float]:
         bare.zero_grad(set_to_none=True)
 
     bare_rate = timed(bare_step)
-    del bare
     policy = build_policy(model_dir, TrainerConfig(), torch.device("cpu"), 1)
     loss_fn = build_loss(TrainerConfig().loss)
 
@@ -158,7 +157,8 @@ def push_figure() -> tuple[float, float, int]:
 
 
 def idle_figure(path: str) -> float:
-    rows = [json.loads(line) for line in open(path)]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
     return sum(r.get("time/wait", 0.0) for r in rows) / sum(r["time/step"] for r in rows)
 
 

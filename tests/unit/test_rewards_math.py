@@ -9,7 +9,7 @@ from async_grpo.rewards import RewardInput, get_reward
 from async_grpo.rewards.math_reward import MAX_ANSWER_CHARS, extract_math_answer, last_boxed
 
 
-def score(completion: str, answer: object = "0.5", limit_s: float = 3.0):
+def score(completion: str, answer: object = "0.5", limit_s: float = 5.0):  # verifier.timeout_s
     """Score on this (main) thread, where math-verify's own 1 s alarms are active."""
     start = time.monotonic()
     out = get_reward("math")(RewardInput("prompt", completion, answer, {}))
