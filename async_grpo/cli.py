@@ -50,7 +50,8 @@ def _train(args: argparse.Namespace) -> int:
     from async_grpo.config import load_config
     from async_grpo.trainer.loop import train
 
-    train(load_config(args.config, args.overrides), args.address, args.resume)
+    cfg = load_config(args.config, args.overrides)
+    train(cfg, args.address or cfg.ray_address, args.resume)
     return 0
 
 
@@ -62,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
-    return run_local(cfg, args.config, args.overrides, args.address, args.resume)
+    return run_local(cfg, args.config, args.overrides, args.address or cfg.ray_address, args.resume)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

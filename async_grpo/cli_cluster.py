@@ -97,7 +97,9 @@ def _start(args: argparse.Namespace, cfg: Any) -> list[Any]:
         n = args.num_workers or cfg.generation.num_workers
         return launch.start_generation_workers(model, cfg.generation, n, args.device)
     n = args.num_workers or cfg.logprob.num_workers
-    return launch.start_logprob_workers(model, cfg.logprob, n, args.device)
+    return launch.start_logprob_workers(
+        model, cfg.logprob, n, args.device, cfg.trainer.loss.temperature
+    )
 
 
 def _any_alive(workers: list[Any]) -> bool:

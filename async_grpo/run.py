@@ -134,7 +134,11 @@ def run_local(
         workers += launch.start_verifier_workers(cfg.verifier, cfg.verifier.num_workers)
         if cfg.trainer.loss.kl_coef > 0:
             workers += launch.start_logprob_workers(
-                model_dir, cfg.logprob, cfg.logprob.num_workers, device
+                model_dir,
+                cfg.logprob,
+                cfg.logprob.num_workers,
+                device,
+                cfg.trainer.loss.temperature,
             )
         workers += launch.start_generation_workers(
             model_dir, cfg.generation, cfg.generation.num_workers, device

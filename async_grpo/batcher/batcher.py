@@ -26,7 +26,7 @@ from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
 from async_grpo.core.packing import plan_minibatches
 from async_grpo.data import Prompt, PromptSampler
-from async_grpo.inference.types import PoolUnavailable, SamplingSettings
+from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
 
 GROUP_ATTEMPTS = 3
 
@@ -128,6 +128,10 @@ class ExperienceBatcher:
             sampling = SamplingSettings(g.max_new_tokens, g.temperature, g.top_p, seed)
             try:
                 group = await self._make_group(step, prompt, sampling)
+            except RequestError as e:  # this prompt is bad; the run goes on without it
+                self.counters["dropped/bad_request"] += 1
+                print(f"batcher: step {step} slot {slot}: {e}", flush=True)
+                break
             except (PoolUnavailable, TimeoutError) as e:
                 self.counters["dropped/group_error"] += 1
                 print(f"batcher: step {step} slot {slot} attempt {attempt}: {e}", flush=True)

@@ -82,6 +82,7 @@ def start_logprob_workers(
     cfg: LogprobConfig,
     count: int,
     device: str = "cpu",
+    temperature: float = 1.0,
     detached: bool = False,
     timeout_s: float = START_TIMEOUT_S,
 ) -> list[Any]:
@@ -101,7 +102,9 @@ def start_logprob_workers(
         opts["lifetime"] = "detached"
     actor = ray.remote(LogprobWorker).options(**opts)
     stamp = time.strftime("%H%M%S")
-    workers = [actor.remote(model_dir, cfg, f"lp-{stamp}-{i}", device) for i in range(count)]
+    workers = [
+        actor.remote(model_dir, cfg, f"lp-{stamp}-{i}", device, temperature) for i in range(count)
+    ]
     _wait_started([w.start.remote() for w in workers], "logprob workers", timeout_s)
     return workers
 
