@@ -214,12 +214,29 @@ class ExperienceBatcher:
             del self._ready[step]
             samples = [s for grp in groups for s in grp]
             stats = self._batch_stats(step, groups, time.monotonic() - t0)
+            stats |= await self._pool_counters()
             tokens, count = self._loss_counts(samples)
             for r in range(self.num_ranks):
                 await self.channel.put(
                     r, EndOfBatch(step, tokens, count, passes, stats), 1, timeout_s=3600
                 )
             step += 1
+
+    async def _pool_counters(self) -> dict[str, float]:
+        """Counters kept by the pools since the start: verifier timeouts and errors (summed
+        over the verifier workers) and requests retried after a worker died."""
+        out = {
+            f"pool/{name}_retries": float(getattr(c, "retries", 0))
+            for name, c in self._clients.items()
+        }
+        registry = getattr(self._clients["verifier"], "registry", None)
+        if registry is None:
+            return out
+        handles = await registry.handles.remote()
+        per_worker = await asyncio.gather(*(h.stats.remote() for h in handles.values()))
+        for key in ("verifier/timeouts", "verifier/errors", "verifier/scored"):
+            out[key] = float(sum(w.get(key, 0) for w in per_worker))
+        return out
 
     async def _send_round(self, step: int, bins: list[list[ScoredSample]]) -> None:
         for rank, samples in enumerate(bins):

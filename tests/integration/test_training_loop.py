@@ -66,6 +66,8 @@ def test_three_steps_train_and_push(runs):
         assert m["samples"] == 6 and m["grad_norm"] > 0 and m["zero_advantage_fraction"] == 0
         assert m["kl"] >= 0.0 and "reward/rewards_for_tests:vowel_share/vowels" in m
         assert m["staleness/max"] == 0  # max_off_policy_steps=0: on-policy
+        assert m["verifier/timeouts"] == 0 and m["verifier/errors"] == 0
+    assert [m["verifier/scored"] for m in cut] == [6.0, 12.0, 18.0]  # counted since start
     # the workers served each new version: pushed after steps 1 and 2 (the last step saves)
     assert [m.get("worker_version/min") for m in cut] == [1.0, 2.0, None]
     params = json.loads((base / "cut" / "training_params.json").read_text())
