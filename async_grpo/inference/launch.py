@@ -47,6 +47,30 @@ def _wait_started(refs: list[Any], what: str, timeout_s: float) -> list[str]:
     return ray.get(ready)
 
 
+def _start_pool(
+    cls: type,
+    pool: str,
+    prefix: str,
+    opts: dict[str, Any],
+    count: int,
+    detached: bool,
+    timeout_s: float,
+    args: Any,
+) -> list[Any]:
+    """`count` actors of `cls` (its constructor takes `args(worker_id)`), started and
+    registered in `pool`'s registry; waits for all of them."""
+    import ray
+
+    ensure_registry(pool)
+    if detached:
+        opts = {**opts, "lifetime": "detached"}
+    actor = ray.remote(cls).options(max_concurrency=1000, **opts)
+    stamp = time.strftime("%H%M%S")
+    workers = [actor.remote(*args(f"{prefix}-{stamp}-{i}")) for i in range(count)]
+    _wait_started([w.start.remote() for w in workers], f"{pool} workers", timeout_s)
+    return workers
+
+
 def start_generation_workers(
     model_dir: str,
     cfg: GenerationConfig,
@@ -56,25 +80,24 @@ def start_generation_workers(
     timeout_s: float = START_TIMEOUT_S,
 ) -> list[Any]:
     """Start `count` vLLM workers on this cluster and register them; returns their handles."""
-    import ray
-
     from async_grpo.inference.generation import GenerationWorker, vllm_env
 
-    ensure_registry("generation")
-    opts: dict[str, Any] = {
+    opts = {
         "num_cpus": cfg.threads if device == "cpu" else 1,
         "num_gpus": cfg.tensor_parallel_size if device == "cuda" else 0,
         "runtime_env": {"env_vars": vllm_env(cfg, device)},
-        "max_concurrency": 1000,
         "max_restarts": 0,
     }
-    if detached:
-        opts["lifetime"] = "detached"
-    actor = ray.remote(GenerationWorker).options(**opts)
-    stamp = time.strftime("%H%M%S")
-    workers = [actor.remote(model_dir, cfg, f"gen-{stamp}-{i}", device) for i in range(count)]
-    _wait_started([w.start.remote() for w in workers], "generation workers", timeout_s)
-    return workers
+    return _start_pool(
+        GenerationWorker,
+        "generation",
+        "gen",
+        opts,
+        count,
+        detached,
+        timeout_s,
+        lambda wid: (model_dir, cfg, wid, device),
+    )
 
 
 def start_logprob_workers(
@@ -87,26 +110,23 @@ def start_logprob_workers(
     timeout_s: float = START_TIMEOUT_S,
 ) -> list[Any]:
     """Start `count` transformers log-prob workers and register them."""
-    import ray
-
     from async_grpo.inference.logprob import LogprobWorker
 
-    ensure_registry("logprob")
-    opts: dict[str, Any] = {
+    opts = {
         "num_cpus": cfg.threads if device == "cpu" else 1,
         "num_gpus": 1 if device == "cuda" else 0,
         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}},
-        "max_concurrency": 1000,
     }
-    if detached:
-        opts["lifetime"] = "detached"
-    actor = ray.remote(LogprobWorker).options(**opts)
-    stamp = time.strftime("%H%M%S")
-    workers = [
-        actor.remote(model_dir, cfg, f"lp-{stamp}-{i}", device, temperature) for i in range(count)
-    ]
-    _wait_started([w.start.remote() for w in workers], "logprob workers", timeout_s)
-    return workers
+    return _start_pool(
+        LogprobWorker,
+        "logprob",
+        "lp",
+        opts,
+        count,
+        detached,
+        timeout_s,
+        lambda wid: (model_dir, cfg, wid, device, temperature),
+    )
 
 
 def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
