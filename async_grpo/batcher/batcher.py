@@ -114,6 +114,7 @@ class ExperienceBatcher:
                 await self._version_changed.wait_for(
                     lambda s=step: self.version >= s - b.max_off_policy_steps
                 )
+            self._tasks = [t for t in self._tasks if not t.done()]  # keep the list short
             for slot in range(b.questions_per_step):
                 self._tasks.append(
                     asyncio.get_running_loop().create_task(self._guard(self._group(step, slot)))

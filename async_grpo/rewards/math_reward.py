@@ -18,6 +18,10 @@ from math_verify import parse, verify
 from async_grpo.rewards.registry import RewardInput, RewardOutput, reward
 
 MAX_ANSWER_CHARS = 10_000
+# sympy's LaTeX parser recurses per bracket level, and math-verify's alarm cannot always
+# interrupt it (the exception can land in a weakref callback and be dropped): refuse deeper
+# answers up front. Real answers nest a handful of levels.
+MAX_NESTING = 64
 MATH_VERIFY_TIMEOUT_S = 1  # math-verify takes whole seconds; for parse and verify each
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BRACE = re.compile(r"[{}]")
@@ -78,9 +82,25 @@ def math_reward(sample: RewardInput) -> RewardOutput:
         return RewardOutput(
             0.0, {"answer_reward": 0.0}, f"answer longer than {MAX_ANSWER_CHARS} chars"
         )
+    if nesting_depth(predicted) > MAX_NESTING:
+        return RewardOutput(
+            0.0, {"answer_reward": 0.0}, f"answer nested deeper than {MAX_NESTING} brackets"
+        )
     correct = answers_match(str(sample.answer), predicted)
     reason = "" if correct else "answer does not match"
     return RewardOutput(float(correct), {"answer_reward": float(correct)}, reason)
+
+
+def nesting_depth(text: str) -> int:
+    """The deepest nesting of (), [] and {} (unbalanced closers are ignored)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}" and depth:
+            depth -= 1
+    return deepest
 
 
 def _timeout() -> int | None:

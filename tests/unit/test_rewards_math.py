@@ -75,5 +75,8 @@ def test_power_towers_end_within_math_verify_alarms(predicted):
 
 
 def test_deep_parentheses_end_quickly():
-    deep = "(" * 4_000 + "1" + ")" * 4_000  # under the cap, so it is parsed
-    assert score(f"\\boxed{{{deep}}}", "2").reward == 0.0
+    deep = "(" * 4_000 + "1" + ")" * 4_000  # under the length cap; refused for its depth
+    out = score(f"\\boxed{{{deep}}}", "2", limit_s=1.0)
+    assert out.reward == 0.0 and out.reason == "answer nested deeper than 64 brackets"
+    shallow = "(" * 10 + "2" + ")" * 10  # ordinary nesting is still parsed and verified
+    assert score(f"\\boxed{{{shallow}}}", "2").reward == 1.0
