@@ -23,7 +23,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 def _data(args: argparse.Namespace) -> int:
     from async_grpo.data import load_prompts, write_jsonl
-    from async_grpo.data.generate import countdown_rows, math_rows
+    from async_grpo.data.generate import arithmetic_rows, countdown_rows, math_rows
 
     if args.data_cmd == "countdown":
         rows = countdown_rows(
@@ -31,6 +31,10 @@ def _data(args: argparse.Namespace) -> int:
         )
     elif args.data_cmd == "math":
         rows = math_rows(args.n, args.seed)
+    elif args.data_cmd == "arithmetic":
+        if args.max_operand < 1:
+            raise UserError(f"--max-operand: must be >= 1, got {args.max_operand}")
+        rows = arithmetic_rows(args.n, args.seed, args.max_operand)
     elif args.data_cmd == "check":
         prompts = load_prompts(args.input)
         print(f"{args.input}: {len(prompts)} prompts, all valid")
@@ -103,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = dsub.add_parser("math", help="seeded arithmetic questions with LaTeX answers")
     d.add_argument("-n", type=int, default=200)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("-o", "--out", required=True)
+    d = dsub.add_parser(
+        "arithmetic", help="seeded one-step integer questions (a + b, a - b, a * b)"
+    )
+    d.add_argument("-n", type=int, default=1000)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--max-operand", type=int, default=9)
     d.add_argument("-o", "--out", required=True)
     d = dsub.add_parser("check", help="validate a prompt JSONL file")
     d.add_argument("input")

@@ -18,6 +18,8 @@ import yaml
 
 from async_grpo.errors import UserError
 
+Dtype = Literal["float32", "bfloat16", "float16"]
+
 
 class ConfigError(UserError):
     """A config that cannot run: the message starts with the key's dotted path."""
@@ -33,7 +35,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    dtype: str = "bfloat16"
+    dtype: Dtype = "bfloat16"
     kv_cache_gib: float = 2.0  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE); GPU uses memory utilisation
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True  # on CPU: ~60 s start instead of ~200 s, ~half the tok/s
@@ -48,7 +50,7 @@ class LogprobConfig:
 
     num_workers: int = 1
     max_tokens_per_batch: int = 2048
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     threads: int = 1
 
 
@@ -103,7 +105,8 @@ class TrainerConfig:
     max_steps: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    dtype: str = "float32"  # bf16 on GPU, fp32 on CPU
+    dtype: Dtype = "float32"  # master weights, optimizer state and gradient reduction
+    compute_dtype: Dtype | None = None  # FSDP2 mixed precision for fwd/bwd (None: same as dtype)
     device: Literal["cpu", "cuda"] = "cpu"
     save_every: int = 0  # 0 = only at the end
     push_every: int = 1  # push weights to the workers every k optimizer steps
@@ -120,6 +123,7 @@ class RunConfig:
     data: str = "sample-data/countdown.jsonl"
     output_dir: str = "outputs/run"
     ray_address: str | None = None  # None: start a local Ray instance
+    tensorboard: bool = False  # metrics also to output_dir/tensorboard (needs tensorboard)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     logprob: LogprobConfig = field(default_factory=LogprobConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)

@@ -1,4 +1,5 @@
-"""Seeded, offline generators for the sample tasks: Countdown and small arithmetic.
+"""Seeded, offline generators for the sample tasks: Countdown, LaTeX arithmetic, and
+one-step integer arithmetic (the CPU learning-curve task).
 
 Countdown rows have the shape of the public Countdown-Tasks-3to4 set (3 to 4 numbers and
 a target reachable with + - * /), with `answer = {"target": T, "numbers": [...]}`.
@@ -19,6 +20,11 @@ COUNTDOWN_PROMPT = (
 )
 
 MATH_PROMPT = "{question} Give the final answer inside \\boxed{{}}."
+
+# One worked example, then the question: the prompt under which SmolLM2-135M (Q4_1) ends
+# with the right number in ~19% of samples at T=1 (probed against five other phrasings,
+# 3-14%), so GRPO groups of 8 usually hold a reward to learn from.
+ARITHMETIC_PROMPT = "Example: 3 + 4 = 7.\nNow compute {a} {op} {b} and reply with the result only."
 
 
 def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fraction]:
@@ -78,4 +84,21 @@ def math_rows(n: int, seed: int) -> list[dict[str, Any]]:
             sym, value = {"add": ("+", a + b), "sub": ("-", a - b), "mul": ("\\times", a * b)}[kind]
             question, answer = f"What is ${a} {sym} {b}$?", str(value)
         rows.append({"input": MATH_PROMPT.format(question=question), "answer": answer})
+    return rows
+
+
+def arithmetic_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
+    """`n` one-step questions `a + b`, `a - b` (never negative) or `a * b` with operands in
+    1..max_operand; `answer` is the integer result as a string (for the `last_number` reward)."""
+    if max_operand < 1:
+        raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        op = rng.choice("+-*")
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        if op == "-" and b > a:
+            a, b = b, a
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        rows.append({"input": ARITHMETIC_PROMPT.format(a=a, op=op, b=b), "answer": str(value)})
     return rows

@@ -26,6 +26,7 @@ _BUILTIN_MODULES = (
     "async_grpo.rewards.countdown",
     "async_grpo.rewards.math_reward",
     "async_grpo.rewards.exact",
+    "async_grpo.rewards.number",
 )
 
 

@@ -87,7 +87,7 @@ class Trainer:
 
             dtype = getattr(torch, cfg.generation.dtype)
             self.pusher = WeightPusher(["generation"], dtype, self.backend)
-            self.writer = MetricsWriter(cfg.output_dir)
+            self.writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
             self.writer.write_params(
                 asdict(cfg) | {"world_size": self.world, "resumed_from": self.start}
             )

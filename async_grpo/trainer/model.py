@@ -33,9 +33,13 @@ class Policy(nn.Module):
 def build_policy(
     model_dir: str, cfg: TrainerConfig, device: torch.device, world_size: int
 ) -> Policy:
-    """Load the HF model in the training dtype and shard it with `fully_shard`."""
+    """Load the HF model in the training dtype and shard it with `fully_shard`.
+
+    With `compute_dtype` set, FSDP2 casts the gathered parameters to it for forward and
+    backward while master weights, optimizer state and gradient reduction stay in `dtype`
+    (bf16 compute ran fwd+bwd ~1.7x faster than fp32 on the 2-core CPU)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
@@ -44,9 +48,11 @@ def build_policy(
     hf.config.use_cache = False
     policy = Policy(hf, cfg.loss.temperature, cfg.logprob_chunk_size).to(device)
     mesh = init_device_mesh(device.type, (world_size,))
+    compute = getattr(torch, cfg.compute_dtype or cfg.dtype)
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=getattr(torch, cfg.dtype))
     for layer in hf.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(policy, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
     return policy
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.data import DataError, PromptSampler, load_prompts, write_jsonl
-from async_grpo.data.generate import countdown_rows, math_rows
+from async_grpo.data.generate import arithmetic_rows, countdown_rows, math_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def test_schema_errors(tmp_path, row, message):
 
 
 def test_shipped_sample_data_is_valid():
-    for name in ("countdown.jsonl", "math.jsonl"):
+    for name in ("countdown.jsonl", "math.jsonl", "arithmetic.jsonl"):
         assert len(load_prompts(REPO / "sample-data" / name)) >= 100
 
 
@@ -80,6 +80,21 @@ def test_countdown_generator_is_seeded_and_solvable():
 def test_math_generator_is_seeded():
     assert math_rows(20, 1) == math_rows(20, 1)
     assert all("\\boxed{}" in r["input"] for r in math_rows(20, 1))
+
+
+def test_arithmetic_generator_is_seeded_and_correct():
+    import re
+
+    rows = arithmetic_rows(300, seed=2, max_operand=9)
+    assert rows == arithmetic_rows(300, seed=2) and rows != arithmetic_rows(300, seed=3)
+    ops = set()
+    for row in rows:
+        a, op, b = re.search(r"compute (\d+) ([-+*]) (\d+) and", row["input"]).groups()
+        a, b = int(a), int(b)
+        assert 1 <= a <= 9 and 1 <= b <= 9
+        assert int(row["answer"]) == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
+        ops.add(op)
+    assert ops == {"+", "-", "*"}
 
 
 def test_write_jsonl_is_atomic(tmp_path):

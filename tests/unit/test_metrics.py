@@ -1,6 +1,7 @@
 """MetricsWriter and read_metrics: round trip, scalar conversion, NaN as null, bad lines."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -60,14 +61,23 @@ def test_write_params_is_atomic_json(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([PARAMS_FILE, METRICS_FILE])
 
 
-def test_tensorboard_without_the_package_is_a_warning(tmp_path, capsys):
-    pytest.importorskip("torch")
-    try:
-        import tensorboard  # noqa: F401
+def test_tensorboard_scalars_match_the_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        pytest.skip("tensorboard is installed")
-    except ImportError:
-        pass
+    rows = [{"loss": 1.5, "reward/mean": 0.25}, {"loss": 0.5, "reward/mean": 0.75}]
+    with MetricsWriter(tmp_path, tensorboard=True) as w:
+        for step, row in enumerate(rows, 1):
+            w.log(step, row)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"loss", "reward/mean"}
+    for key in ("loss", "reward/mean"):
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert got == [(i, r[key]) for i, r in enumerate(rows, 1)]
+
+
+def test_tensorboard_without_the_package_is_a_warning(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with MetricsWriter(tmp_path, tensorboard=True) as w:
         w.log(1, {"loss": 1.0})
     assert "tensorboard" in capsys.readouterr().err
