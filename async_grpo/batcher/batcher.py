@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from async_grpo.batcher.channel import Channel
-from async_grpo.batcher.rounds import fill_round
+from async_grpo.batcher.rounds import fill_round, split_group
 from async_grpo.batcher.types import EndOfBatch, Minibatch, ScoredSample
 from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
-from async_grpo.core.packing import plan_minibatches
+from async_grpo.core.packing import packed_length, plan_minibatches, prompt_groups
 from async_grpo.data import Prompt, PromptSampler
 from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
 
@@ -190,7 +190,7 @@ class ExperienceBatcher:
         step = start_step
         while True:
             t0 = time.monotonic()
-            buffer: list[ScoredSample] = []
+            buffer: list[list[ScoredSample]] = []  # packing units: samples that go together
             groups: list[list[ScoredSample]] = []
             passes = 0
             for _ in range(b.questions_per_step):
@@ -198,18 +198,20 @@ class ExperienceBatcher:
                 if group is None:
                     continue
                 groups.append(group)
-                buffer += group
+                lens = [len(s.completion_ids) for s in group]
+                units = split_group(len(group[0].prompt_ids), lens, budget, b.share_prompts)
+                buffer += [[group[i] for i in unit] for unit in units]
                 while (
-                    bins := fill_round([s.num_tokens for s in buffer], self.num_ranks, budget)
+                    bins := fill_round([self._tokens(u) for u in buffer], self.num_ranks, budget)
                 ) is not None:
-                    await self._send_round(step, [[buffer[i] for i in bin_] for bin_ in bins])
+                    await self._send_round(step, [_flat(buffer, bin_) for bin_ in bins])
                     taken = {i for bin_ in bins for i in bin_}
-                    buffer = [s for i, s in enumerate(buffer) if i not in taken]
+                    buffer = [u for i, u in enumerate(buffer) if i not in taken]
                     passes += 1
-            plan = plan_minibatches([s.num_tokens for s in buffer], budget, self.num_ranks)
+            plan = plan_minibatches([self._tokens(u) for u in buffer], budget, self.num_ranks)
             for k in range(len(plan[0])):
                 await self._send_round(
-                    step, [[buffer[i] for i in plan[r][k]] for r in range(self.num_ranks)]
+                    step, [_flat(buffer, plan[r][k]) for r in range(self.num_ranks)]
                 )
                 passes += 1
             del self._ready[step]
@@ -239,9 +241,19 @@ class ExperienceBatcher:
             out[key] = float(sum(w.get(key, 0) for w in per_worker))
         return out
 
+    def _tokens(self, samples: list[ScoredSample]) -> int:
+        """Row tokens of `samples` once packed (prompts shared within a group when on)."""
+        share = self.cfg.batcher.share_prompts
+        return sum(
+            packed_length(
+                len(samples[g[0]].prompt_ids), [len(samples[i].completion_ids) for i in g], share
+            )
+            for g in prompt_groups(samples, share)
+        )
+
     async def _send_round(self, step: int, bins: list[list[ScoredSample]]) -> None:
         for rank, samples in enumerate(bins):
-            tokens = sum(s.num_tokens for s in samples)
+            tokens = self._tokens(samples)
             self.counters["packed_tokens"] += tokens
             self.counters["packed_budget"] += self.cfg.batcher.max_tokens_per_gpu
             mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens)
@@ -288,3 +300,8 @@ class ExperienceBatcher:
             if k.startswith("dropped/"):
                 self.counters[k] = 0.0
         return out
+
+
+def _flat(units: list[list[ScoredSample]], picked: list[int]) -> list[ScoredSample]:
+    """The samples of the picked units, each unit's samples kept together."""
+    return [s for i in picked for s in units[i]]

@@ -8,7 +8,29 @@ number of forward/backward passes.
 
 from __future__ import annotations
 
+from async_grpo.core.packing import packed_length
+
 FILL_TARGET = 0.95
+
+
+def split_group(
+    prompt_len: int, completion_lens: list[int], budget: int, share_prompts: bool
+) -> list[list[int]]:
+    """A group's samples (by index) as packing units: one sample each without sharing; with
+    sharing, consecutive runs whose shared row (`packed_length`) fits the budget."""
+    if not share_prompts:
+        return [[i] for i in range(len(completion_lens))]
+    units: list[list[int]] = []
+    for i, n in enumerate(completion_lens):
+        if (
+            units
+            and packed_length(prompt_len, [completion_lens[j] for j in units[-1]] + [n], True)
+            <= budget
+        ):
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
 
 
 def fill_round(

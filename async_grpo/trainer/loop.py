@@ -136,7 +136,8 @@ class Trainer:
             if isinstance(item, EndOfBatch):
                 return item, acc
             tf = time.perf_counter()
-            batch = pack(item.samples).to(self.device)
+            batch = pack(item.samples, share_prompts=self.cfg.batcher.share_prompts)
+            batch = batch.to(self.device)
             logp, ent = self.policy(batch, True)
             loss, m = self.loss_fn(logp, batch, 1, 1, ent if use_entropy else None, 1)
             loss.backward()

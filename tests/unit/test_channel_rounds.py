@@ -62,3 +62,16 @@ def test_fill_round_fills_every_rank_or_waits():
     assert fill_round([60, 50], num_ranks=2, budget=100) is None  # not enough yet
     with pytest.raises(ValueError, match="sample 1 has 101 tokens"):
         fill_round([5, 101], num_ranks=1, budget=100)
+
+
+def test_split_group_keeps_shared_units_within_the_budget():
+    from async_grpo.batcher.rounds import split_group
+    from async_grpo.core.packing import packed_length
+
+    lens = [30, 10, 40, 5, 25]
+    assert split_group(20, lens, 100, share_prompts=False) == [[0], [1], [2], [3], [4]]
+    units = split_group(20, lens, 100, share_prompts=True)
+    assert units == [[0, 1], [2, 3, 4]]  # 19 + 31 + 11 = 61; adding 41 would make 102
+    assert [i for u in units for i in u] == list(range(5))
+    for u in units:
+        assert packed_length(20, [lens[i] for i in u], True) <= 100
