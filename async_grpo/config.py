@@ -75,6 +75,9 @@ class BatcherConfig:
     max_off_policy_steps: int = 1  # 0 = synchronous on-policy
     max_tokens_per_gpu: int = 1024
     share_prompts: bool = False  # a group's prompt once per row (explicit mask; not flash varlen)
+    skip_zero_advantage: bool = (
+        True  # equal-reward groups: counted, not run (exact if no KL/entropy)
+    )
     seed: int = 0
 
 

@@ -53,6 +53,12 @@ class ExperienceBatcher:
         self._tasks: list[asyncio.Task] = []
         self.counters: dict[str, float] = defaultdict(float)
         self.error: str | None = None
+        loss = cfg.trainer.loss
+        # all-equal rewards give all-zero advantages; with no KL and no entropy term such a
+        # sample's loss gradient is exactly 0, so it is counted in the normaliser only
+        self._skip_zero = (
+            cfg.batcher.skip_zero_advantage and loss.kl_coef == 0 and loss.entropy_coef == 0
+        )
 
     # -- control, called by trainer rank 0 ------------------------------------------------
     async def start(self, start_step: int) -> None:
@@ -192,12 +198,16 @@ class ExperienceBatcher:
             t0 = time.monotonic()
             buffer: list[list[ScoredSample]] = []  # packing units: samples that go together
             groups: list[list[ScoredSample]] = []
+            skipped: list[ScoredSample] = []
             passes = 0
             for _ in range(b.questions_per_step):
                 group = await self._ready[step].get()
                 if group is None:
                     continue
                 groups.append(group)
+                if self._skip_zero and all(s.advantage == 0.0 for s in group):
+                    skipped += group
+                    continue
                 lens = [len(s.completion_ids) for s in group]
                 units = split_group(len(group[0].prompt_ids), lens, budget, b.share_prompts)
                 buffer += [[group[i] for i in unit] for unit in units]
@@ -219,10 +229,11 @@ class ExperienceBatcher:
             stats = self._batch_stats(step, groups, time.monotonic() - t0)
             stats |= await self._pool_counters()
             tokens, count = self._loss_counts(samples)
+            skip_tokens, skip_count = self._loss_counts(skipped)
+            stats["skipped_samples"] = float(len(skipped))
             for r in range(self.num_ranks):
-                await self.channel.put(
-                    r, EndOfBatch(step, tokens, count, passes, stats), 1, timeout_s=3600
-                )
+                eob = EndOfBatch(step, tokens, count, passes, stats, skip_tokens, skip_count)
+                await self.channel.put(r, eob, 1, timeout_s=3600)
             step += 1
 
     async def _pool_counters(self) -> dict[str, float]:

@@ -54,10 +54,13 @@ class Minibatch:
 @dataclass
 class EndOfBatch:
     """Closes step `step` for a rank: the global counts for exact normalisation (summed over
-    every rank and minibatch of the step) and the batch's statistics."""
+    every rank and minibatch of the step) and the batch's statistics. The global counts
+    include the `skipped_*` samples, which were counted but not sent (their gradient is 0)."""
 
     step: int
     global_tokens: int  # completion tokens that carry loss
     global_samples: int
     num_minibatches: int  # per rank, identical on every rank
     stats: dict[str, float] = field(default_factory=dict)
+    skipped_tokens: int = 0
+    skipped_samples: int = 0

@@ -98,6 +98,7 @@ class Trainer:
 
         from async_grpo.trainer.model import full_state_dict
 
+        self.t_start = time.perf_counter()
         state = full_state_dict(self.policy)
         if self.rank == 0:  # the workers serve exactly the weights step `start` trains
             self.pusher.push(state, self.start)
@@ -173,10 +174,11 @@ class Trainer:
         dist.all_reduce(flat)
         n_tok, n_seq, all_tokens = int(flat[0]), int(flat[1]), float(flat[2])
         sums = dict(zip(keys, flat[3:].tolist(), strict=True))
+        n_tok, n_seq = n_tok + eob.skipped_tokens, n_seq + eob.skipped_samples
         if (n_tok, n_seq) != (eob.global_tokens, eob.global_samples):
             raise RuntimeError(
-                f"step {step}: trainer counted {n_tok} tokens / {n_seq} samples,"
-                f" batcher {eob.global_tokens} / {eob.global_samples}"
+                f"step {step}: trainer counted {n_tok} tokens / {n_seq} samples"
+                f" (skipped ones included), batcher {eob.global_tokens} / {eob.global_samples}"
             )
         denom = n_tok if t.loss.aggregation == "token_mean" else n_seq
         if denom:
@@ -226,6 +228,7 @@ class Trainer:
                 "minibatches": acc["passes"],
                 "tokens_per_s": all_tokens / elapsed,
                 "time/step": elapsed,
+                "time/elapsed": time.perf_counter() - self.t_start,
                 "clip_fraction": summary.get("clip_low_frac", 0.0)
                 + summary.get("clip_high_frac", 0.0),
                 "kl": summary.get("kl_mean", 0.0),

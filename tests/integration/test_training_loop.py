@@ -70,6 +70,8 @@ def test_three_steps_train_and_push(runs):
     assert [m["verifier/scored"] for m in cut] == [6.0, 12.0, 18.0]  # counted since start
     # the workers served each new version: pushed after steps 1 and 2 (the last step saves)
     assert [m.get("worker_version/min") for m in cut] == [1.0, 2.0, None]
+    elapsed = [m["time/elapsed"] for m in cut]
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= sum(m["time/step"] for m in cut)
     params = json.loads((base / "cut" / "training_params.json").read_text())
     assert params["world_size"] == 2 and params["trainer"]["num_ranks"] == 2
     hf = base / "cut" / "checkpoints" / "step_3" / "hf"
@@ -116,3 +118,21 @@ def test_smollm2_loop_runs(smollm2_dir, tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["samples"] == 8 and m["grad_norm"] >= 0 for m in metrics)
     assert metrics[0]["worker_version/min"] == 1.0
+
+
+def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
+    """`exact` never matches a Countdown answer: every group has equal rewards, so with no KL
+    the batcher sends only placeholder minibatches and the trainer's counts still agree."""
+    metrics = _run(
+        tiny_model_dir,
+        tmp_path / "flat",
+        2,
+        "trainer.loss.kl_coef=0.0",
+        "verifier.rewards=[exact]",
+        "trainer.save_every=0",
+    )
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["reward/mean"] == 0.0 and m["zero_advantage_fraction"] == 1.0
+        assert m["skipped_samples"] == m["samples"] == 6
+        assert m["grad_norm"] == 0.0 and m["loss"] == 0.0

@@ -73,3 +73,29 @@ def test_log_probs_and_gradients_match_unshared(dtype):
     assert torch.allclose(lp_a, lp_b, atol=tol), (lp_a - lp_b).abs().max()
     rel = (g_a - g_b).norm() / g_a.norm()
     assert rel < (1e-5 if dtype == torch.float32 else 3e-2), rel
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_sum_constant"])
+def test_zero_advantage_samples_add_nothing_to_the_gradient(aggregation):
+    """Why the batcher may skip equal-reward groups (no KL, no entropy): run or not, the
+    summed loss and its gradient are the same; only the global count must include them."""
+    from async_grpo.config import LossConfig
+    from async_grpo.core.loss import build_loss
+
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, 49152, (n,), generator=g).tolist()  # noqa: E731
+    learn = [_sample(rand(6), rand(n), a) for n, a in [(5, 1.2), (4, -1.2)]]
+    flat = [_sample(rand(5), rand(n), 0.0) for n in (7, 3)]  # an all-equal-reward group
+    loss_fn = build_loss(LossConfig(kl_coef=0.0, entropy_coef=0.0, aggregation=aggregation), 8)
+    grads, losses = [], []
+    for samples in (learn + flat, learn):
+        model = tiny_llama(seed=2)
+        batch = pack(samples)
+        logp, _ = batch_logprobs(model, batch)
+        loss, _ = loss_fn(logp, batch, 1, 1, None, 1)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert losses[0] == pytest.approx(losses[1], abs=1e-7)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=1e-5)
+    assert grads[1].abs().max() > 1e-6  # the learning samples do move the model
