@@ -145,10 +145,11 @@ def test_packed_rows_leak_when_a_kv_cache_is_built():
 
 @pytest.mark.slow
 def test_packed_logprobs_match_one_at_a_time_smollm2():
-    folder = os.environ.get("ASYNC_GRPO_MODEL_DIR")
-    if not folder:
-        pytest.skip("set ASYNC_GRPO_MODEL_DIR to a SmolLM2-135M Hugging Face folder")
     from transformers import AutoModelForCausalLM
+
+    from async_grpo.models import prepare_smollm2
+
+    folder = os.environ.get("ASYNC_GRPO_MODEL_DIR") or prepare_smollm2()  # converted once, cached
 
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="sdpa"
