@@ -3,14 +3,13 @@
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from _cli import run_command
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 MARKERS = (
     "raylet",
     "gcs_server",
@@ -40,19 +39,15 @@ def _ray_like_pids() -> set[int]:
 def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
     before = _ray_like_pids()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "async_grpo.cli",
-            "run",
-            str(REPO / "configs/quickstart.yaml"),
+        run_command(
+            "quickstart.yaml",
             f"model={tiny_model_dir}",
             f"output_dir={tmp_path}",
             "trainer.max_steps=1000",
             "batcher.questions_per_step=1",
             "batcher.samples_per_question=4",
             "generation.max_new_tokens=16",
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

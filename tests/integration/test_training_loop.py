@@ -10,23 +10,18 @@ that engine nondeterminism."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _cli import run_command
 
 pytestmark = pytest.mark.integration
 PLUGINS = Path(__file__).with_name("plugins")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(tiny_model_dir, out, steps, *extra):
-    cmd = [
-        sys.executable,
-        "-m",
-        "async_grpo.cli",
-        "run",
-        str(REPO / "configs/quickstart.yaml"),
+    cmd = run_command(
+        "quickstart.yaml",
         f"model={tiny_model_dir}",
         f"output_dir={out}",
         f"trainer.max_steps={steps}",
@@ -43,7 +38,7 @@ def _run(tiny_model_dir, out, steps, *extra):
         "trainer.save_every=3",
         "verifier.rewards=[rewards_for_tests:vowel_share]",
         *extra,
-    ]
+    )
     env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
@@ -100,18 +95,14 @@ def test_checkpoint_loads_in_transformers(runs):
 @pytest.mark.slow
 def test_smollm2_loop_runs(smollm2_dir, tmp_path):
     """The same loop with the real SmolLM2-135M (minutes): `pytest -m slow`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "async_grpo.cli",
-        "run",
-        str(REPO / "configs/quickstart.yaml"),
+    cmd = run_command(
+        "quickstart.yaml",
         f"output_dir={tmp_path}",
         "trainer.max_steps=2",
         "batcher.questions_per_step=2",
         "batcher.samples_per_question=4",
         "generation.max_new_tokens=64",
-    ]
+    )
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     metrics = [json.loads(line) for line in (tmp_path / "training_metrics.jsonl").open()]

@@ -1,0 +1,18 @@
+"""The argv of `async-grpo run` as the integration tests start it (this interpreter)."""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_command(config: str, *overrides: str) -> list[str]:
+    """`python -m async_grpo.cli run configs/<config> <overrides...>`."""
+    return [
+        sys.executable,
+        "-m",
+        "async_grpo.cli",
+        "run",
+        str(REPO / "configs" / config),
+        *overrides,
+    ]
