@@ -24,7 +24,7 @@ from async_grpo.batcher.rounds import fill_round, split_group
 from async_grpo.batcher.types import EndOfBatch, Minibatch, ScoredSample
 from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
-from async_grpo.core.packing import packed_length, plan_minibatches, prompt_groups
+from async_grpo.core.packing import packed_tokens, plan_minibatches
 from async_grpo.data import Prompt, PromptSampler
 from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
 
@@ -254,13 +254,7 @@ class ExperienceBatcher:
 
     def _tokens(self, samples: list[ScoredSample]) -> int:
         """Row tokens of `samples` once packed (prompts shared within a group when on)."""
-        share = self.cfg.batcher.share_prompts
-        return sum(
-            packed_length(
-                len(samples[g[0]].prompt_ids), [len(samples[i].completion_ids) for i in g], share
-            )
-            for g in prompt_groups(samples, share)
-        )
+        return packed_tokens(samples, self.cfg.batcher.share_prompts)
 
     async def _send_round(self, step: int, bins: list[list[ScoredSample]]) -> None:
         for rank, samples in enumerate(bins):

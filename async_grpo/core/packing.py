@@ -103,6 +103,21 @@ def prompt_groups(samples: list[PackInput], share_prompts: bool) -> list[list[in
     return groups
 
 
+def group_lengths(samples: list[PackInput], groups: list[list[int]]) -> list[int]:
+    """Row tokens of each group of `prompt_groups` (a group of one is an unshared sample)."""
+    return [
+        packed_length(
+            len(samples[g[0]].prompt_ids), [len(samples[i].completion_ids) for i in g], True
+        )
+        for g in groups
+    ]
+
+
+def packed_tokens(samples: list[PackInput], share_prompts: bool) -> int:
+    """Row tokens `pack(samples, share_prompts=...)` will produce."""
+    return sum(group_lengths(samples, prompt_groups(samples, share_prompts)))
+
+
 def pack(
     samples: list[PackInput], pad_token_id: int = 0, share_prompts: bool = False
 ) -> PackedBatch:
@@ -128,7 +143,6 @@ def pack(
     groups = prompt_groups(samples, share_prompts)
     for group in groups:
         prompt = samples[group[0]].prompt_ids
-        _check(group[0], samples[group[0]])
         n_p = len(prompt)
         # the shared prefix: every prompt token but the last, predicting prompt tokens only
         ids += prompt[:-1]
@@ -157,12 +171,7 @@ def pack(
                 ref += s.ref_logprobs + [0.0]
             if has_old:
                 old += s.old_logprobs + [0.0]
-    seq_lens = [
-        packed_length(
-            len(samples[g[0]].prompt_ids), [len(samples[i].completion_ids) for i in g], True
-        )
-        for g in groups
-    ]
+    seq_lens = group_lengths(samples, groups)
     labels_t = torch.tensor([labels])  # [1, T]
     sample_index = torch.tensor(index)  # [T]
     loss_mask = labels_t[0] != IGNORE_INDEX  # [T]

@@ -11,6 +11,7 @@ from async_grpo.core.packing import (
     PackInput,
     pack,
     packed_length,
+    packed_tokens,
     prompt_groups,
     shared_prefix_mask,
 )
@@ -34,6 +35,8 @@ def test_shared_layout_by_hand():
     assert b.advantages.tolist() == [0, 0, 1, 1, 0, -1, 0, 0, 0]
     assert b.seq_lens == [7, 2] and (b.num_samples, b.num_tokens) == (3, 4)
     assert packed_length(3, [2, 1], True) == 7 and packed_length(3, [2, 1], False) == 9
+    for share in (True, False):  # what the batcher budgets is what pack builds
+        assert packed_tokens(samples, share) == pack(samples, share_prompts=share).input_ids.numel()
     allowed = shared_prefix_mask(b)[0, 0]
     assert allowed[5].tolist() == [True, True, False, False, False, True, False, False, False]
     assert allowed[4].tolist() == [True] * 5 + [False] * 4
