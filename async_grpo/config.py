@@ -19,6 +19,11 @@ import yaml
 from async_grpo.errors import UserError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# "auto": bf16 where the process's device computes it natively, else fp32 (precision.py)
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# "auto": flash-attn varlen on CUDA when installed (unshared rows), else flex_attention on
+# CUDA, dense SDPA on CPU (core/attention/)
+Attention = Literal["auto", "sdpa", "flex", "flash"]
 
 
 class ConfigError(UserError):
@@ -35,7 +40,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    dtype: Dtype = "bfloat16"
+    dtype: ComputeDtype = "auto"
     kv_cache_gib: float = 2.0  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE); GPU uses memory utilisation
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True  # on CPU: ~60 s start instead of ~200 s, ~half the tok/s
@@ -50,7 +55,8 @@ class LogprobConfig:
 
     num_workers: int = 1
     max_tokens_per_batch: int = 2048
-    dtype: Dtype = "float32"
+    dtype: ComputeDtype = "auto"
+    attention: Attention = "auto"  # auto: flash varlen / flex on CUDA, sdpa on CPU
     threads: int = 1
 
 
@@ -110,7 +116,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     dtype: Dtype = "float32"  # master weights, optimizer state and gradient reduction
-    compute_dtype: Dtype | None = None  # FSDP2 mixed precision for fwd/bwd (None: same as dtype)
+    compute_dtype: ComputeDtype | None = "auto"  # FSDP2 fwd/bwd; auto: bf16 if native; None: dtype
+    attention: Attention = "auto"  # auto: flash varlen / flex on CUDA, dense sdpa on CPU
+    activation_checkpointing: bool | None = None  # per decoder layer; None: on for CUDA only
     device: Literal["cpu", "cuda"] = "cpu"
     save_every: int = 0  # 0 = only at the end
     push_every: int = 1  # push weights to the workers every k optimizer steps
@@ -275,6 +283,18 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"verifier.weights: no weight for reward {missing[0]!r}")
     if not v.rewards:
         raise ConfigError("verifier.rewards: at least one reward is required")
+    if t.device == "cpu" and t.attention in ("flex", "flash"):
+        raise ConfigError(
+            f"trainer.attention: {t.attention!r} cannot train on CPU"
+            " (flash-attn needs CUDA; PyTorch has no flex_attention backward on CPU); use auto"
+        )
+    if t.device == "cpu" and cfg.logprob.attention == "flash":
+        raise ConfigError("logprob.attention: 'flash' needs CUDA; use auto, sdpa or flex")
+    if t.attention == "flash" and b.share_prompts:
+        raise ConfigError(
+            "trainer.attention: 'flash' (varlen) cannot express batcher.share_prompts;"
+            " use flex or auto"
+        )
     loss = t.loss
     if not (0 <= loss.clip_low < 1) or loss.clip_high < 0:
         raise ConfigError(

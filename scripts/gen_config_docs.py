@@ -42,7 +42,7 @@ DESCRIPTIONS: dict[str, str] = {
     " truncated (see `trainer.loss.mask_truncated`)",
     "generation.temperature": "sampling temperature; must equal `trainer.loss.temperature`",
     "generation.top_p": "nucleus sampling threshold (1.0 = off)",
-    "generation.dtype": "engine weight dtype; weight pushes travel in this dtype",
+    "generation.dtype": "engine dtype (auto: bf16 where the node computes it natively, else fp32, resolved per worker); weight pushes travel in it",
     "generation.gpu_memory_utilization": "fraction of GPU memory vLLM may take for"
     " weights and KV cache (GPU only)",
     "generation.tensor_parallel_size": "GPUs per engine; each shard joins the weight-sync"
@@ -52,7 +52,7 @@ DESCRIPTIONS: dict[str, str] = {
     " started when `trainer.loss.kl_coef` > 0",
     "logprob.max_tokens_per_batch": "token budget of one packed forward; a longer sample"
     " is refused",
-    "logprob.dtype": "dtype of the reference model",
+    "logprob.dtype": "dtype of the reference model (auto as for generation)",
     "logprob.threads": "CPU threads per log-prob worker (also what it reserves from Ray)",
     "verifier.num_workers": "verifier actors; each scores in its own sandbox subprocesses",
     "verifier.rewards": "reward functions by name: built-ins `countdown`, `math`, `exact`,"

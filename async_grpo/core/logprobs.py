@@ -18,6 +18,8 @@ bench/chunked_logprobs_memory.py measures the difference. Targets at ignored pos
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -152,14 +154,16 @@ def batch_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    attention: Any = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [T] (0 off `batch.loss_mask`) of a Hugging Face causal LM on a packed batch,
     via `model.model` hidden states and the chunked LM head (models whose head is a bias-free
-    linear layer, as in Llama/SmolLM2; no logit soft-capping)."""
+    linear layer, as in Llama/SmolLM2; no logit soft-capping). `attention` is the model's
+    `AttentionBackend` (None: dense SDPA); `batch` must already be `attention.prepare`d."""
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__}: LM head has a bias; not supported")
-    hidden = packed_hidden(model, batch)  # [T, H]
+    hidden = packed_hidden(model, batch, attention)  # [T, H]
     targets = batch.labels[0].clamp(min=0)  # [T]
     logp, ent = logprobs_from_hidden(
         hidden, head.weight, targets, temperature, chunk_size, with_entropy

@@ -12,7 +12,9 @@ Attention isolation: rows are separated by `position_ids` restarting at 0. trans
 (5.19, sdpa/eager) derives a block-diagonal causal mask from them only when no KV cache is
 built, so `packed_forward` always passes `use_cache=False` (with the cache the log-probs are
 silently wrong; tests/unit/test_packing.py checks both). `block_causal_mask` is the explicit
-4D fallback; `cu_seqlens` serves flash-attn varlen on GPU.
+4D fallback. Other kernels (flash-attn varlen, flex_attention with a BlockMask) are
+attention backends (core/attention/) passed to `packed_forward`/`packed_hidden`; `pad_to`
+pads a row to a fixed length for kernels compiled per shape.
 
 Shared prompts (`pack(..., share_prompts=True)`): consecutive samples with the same prompt
 (a GRPO group) carry that prompt once. The row holds the prompt minus its last token, then
@@ -27,7 +29,8 @@ expresses it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -229,6 +232,45 @@ def _placeholder(pad_token_id: int) -> PackedBatch:
     )
 
 
+def pad_to(batch: PackedBatch, length: int, pad_token_id: int = 0) -> PackedBatch:
+    """`batch` grown to `length` tokens by one padding segment (its own sample index and
+    group, positions from 0, no loss token), so attention keeps it apart and the loss and
+    counts ignore it. The same batch when it is already `length` long."""
+    t = batch.input_ids.shape[1]
+    if length < t:
+        raise ValueError(f"cannot pad a row of {t} tokens down to {length}")
+    n = length - t
+    if n == 0:
+        return batch
+    dev = batch.input_ids.device
+
+    def grow(x: Tensor | None, fill: Any) -> Tensor | None:  # along the last (token) dim
+        if x is None:
+            return None
+        extra = torch.full((*x.shape[:-1], n), fill, dtype=x.dtype, device=dev)
+        return torch.cat([x, extra], dim=-1)
+
+    seq_lens = [*batch.seq_lens, n]
+    return replace(
+        batch,
+        input_ids=grow(batch.input_ids, pad_token_id),  # [1, length]
+        position_ids=torch.cat(
+            [batch.position_ids, torch.arange(n, device=dev)[None]], dim=1
+        ),  # [1, length]
+        labels=grow(batch.labels, IGNORE_INDEX),
+        sample_index=grow(batch.sample_index, batch.num_samples),
+        advantages=grow(batch.advantages, 0.0),
+        behaviour_logprobs=grow(batch.behaviour_logprobs, 0.0),
+        ref_logprobs=grow(batch.ref_logprobs, 0.0),
+        old_logprobs=grow(batch.old_logprobs, 0.0),
+        loss_mask=grow(batch.loss_mask, False),
+        truncated=grow(batch.truncated, False),
+        seq_lens=seq_lens,
+        cu_seqlens=_cu_seqlens(seq_lens).to(dev),
+        shared_prefix=grow(batch.shared_prefix, False),
+    )
+
+
 def plan_minibatches(lengths: list[int], max_tokens: int, num_ranks: int) -> list[list[list[int]]]:
     """Split samples (by index) into per-rank minibatches of at most `max_tokens` tokens.
 
@@ -290,25 +332,26 @@ def shared_prefix_mask(batch: PackedBatch) -> Tensor:
     return allowed[None, None]  # [1, 1, T, T]
 
 
-def packed_forward(model: nn.Module, batch: PackedBatch, explicit_mask: bool = False) -> Tensor:
-    """Logits [T, V] of a Hugging Face causal LM on a packed row (see the module docstring)."""
-    out = model(use_cache=False, **_model_inputs(model, batch, explicit_mask))
+def packed_forward(model: nn.Module, batch: PackedBatch, attention: Any = None) -> Tensor:
+    """Logits [T, V] of a Hugging Face causal LM on a packed row (see the module docstring).
+    `attention` is an `AttentionBackend` (core/attention); None: dense SDPA's rule."""
+    out = model(use_cache=False, **_model_inputs(model, batch, attention))
     return out.logits[0]  # [T, V]
 
 
-def packed_hidden(model: nn.Module, batch: PackedBatch, explicit_mask: bool = False) -> Tensor:
+def packed_hidden(model: nn.Module, batch: PackedBatch, attention: Any = None) -> Tensor:
     """Last hidden states [T, H] (after the final norm) of `model.model`, the decoder without
     its LM head; pair with `logprobs_from_hidden` so full logits are never built."""
-    out = model.model(use_cache=False, **_model_inputs(model, batch, explicit_mask))
+    out = model.model(use_cache=False, **_model_inputs(model, batch, attention))
     return out.last_hidden_state[0]  # [T, H]
 
 
-def _model_inputs(model: nn.Module, batch: PackedBatch, explicit_mask: bool) -> dict[str, Tensor]:
-    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
-    if batch.needs_explicit_mask:
-        inputs["attention_mask"] = shared_prefix_mask(batch)  # [1, 1, T, T]
-    elif explicit_mask:
-        dtype = next(model.parameters()).dtype
-        mask = block_causal_mask(batch.seq_lens, dtype).to(batch.input_ids.device)  # [1, 1, T, T]
+def _model_inputs(model: nn.Module, batch: PackedBatch, attention: Any) -> dict[str, Any]:
+    inputs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    if attention is not None:
+        mask = attention.mask(batch, next(model.parameters()).dtype)
+    else:
+        mask = shared_prefix_mask(batch) if batch.needs_explicit_mask else None  # [1, 1, T, T]
+    if mask is not None:
         inputs["attention_mask"] = mask
     return inputs

@@ -73,10 +73,15 @@ class GenerationWorker(RegisteredWorker):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from async_grpo.precision import resolve_dtype
+
         c = self.cfg
+        precision = resolve_dtype(c.dtype, self.device)
+        self.dtype = precision.dtype
+        print(f"{self.worker_id}: vLLM computes in {precision.describe()}", flush=True)
         args = AsyncEngineArgs(
             model=self.model_dir,
-            dtype=c.dtype,
+            dtype=precision.dtype,
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_concurrent_seqs,
             enforce_eager=c.enforce_eager,

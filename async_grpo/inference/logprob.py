@@ -56,16 +56,30 @@ class LogprobWorker(RegisteredWorker):
         self._loop_task: asyncio.Task | None = None
         self.tokens_scored = 0
         self.sync_group: Any = None
+        self.attention: Any = None
 
     async def start(self, register: bool = True) -> str:
         from transformers import AutoModelForCausalLM
 
+        from async_grpo.core.attention import select_attention
+        from async_grpo.precision import resolve_dtype
+
         torch.set_num_threads(self.cfg.threads)
+        precision = resolve_dtype(self.cfg.dtype, self.device)
+        self.dtype = precision.dtype
+        self.attention, why = select_attention(
+            self.cfg.attention, self.device, False, False, self.cfg.max_tokens_per_batch
+        )
+        print(
+            f"{self.worker_id}: computes in {precision.describe()}, attention"
+            f" {self.attention.name} ({why})",
+            flush=True,
+        )
         self.model = await asyncio.to_thread(
             AutoModelForCausalLM.from_pretrained,
             self.model_dir,
-            dtype=getattr(torch, self.cfg.dtype),
-            attn_implementation="sdpa",
+            dtype=precision.torch_dtype,
+            attn_implementation=self.attention.hf_implementation,
         )
         self.model.to(self.device).eval().requires_grad_(False)
         self.max_len = self.model.config.max_position_embeddings
@@ -130,8 +144,8 @@ class LogprobWorker(RegisteredWorker):
             PackInput(b.prompt_ids, b.completion_ids, 0.0, [0.0] * len(b.completion_ids))
             for b in batch
         ]
-        packed = pack(inputs).to(self.device)
-        logp, _ = batch_logprobs(self.model, packed, self.temperature)  # [T]
+        packed = self.attention.prepare(pack(inputs)).to(self.device)
+        logp, _ = batch_logprobs(self.model, packed, self.temperature, attention=self.attention)
         flat = logp[packed.loss_mask].float().cpu().tolist()
         self.tokens_scored += packed.input_ids.shape[1]
         out, offset = [], 0

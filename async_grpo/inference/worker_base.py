@@ -21,6 +21,7 @@ class RegisteredWorker:
         self.version = 0
         self.in_flight = 0
         self.stopping = False
+        self.dtype = "float32"  # what the model computes in, once started
         self.registry: Any = None
         self._heartbeat: asyncio.Task | None = None
 
@@ -62,6 +63,7 @@ class RegisteredWorker:
             "version": self.version,
             "in_flight": self.in_flight,
             "requests_served": getattr(self, "requests_served", 0),
+            "dtype": self.dtype,
             "stopping": self.stopping,
         }
 

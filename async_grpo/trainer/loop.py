@@ -58,20 +58,23 @@ class Trainer:
         from async_grpo.trainer.model import build_optimizer, build_policy
 
         self.cfg, t = cfg, cfg.trainer
-        self.backend = "nccl" if t.device == "cuda" else "gloo"
-        dist.init_process_group(self.backend)
+        if t.device == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+            # host tensors (counts, barriers) over gloo, device tensors (FSDP) over NCCL
+            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=self.device)
+        else:
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        self.backend = "nccl" if t.device == "cuda" else "gloo"  # the weight-sync group's
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = (
-            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            if t.device == "cuda"
-            else torch.device("cpu")
-        )
         torch.set_num_threads(t.threads)
         torch.manual_seed(cfg.batcher.seed)
         connect(address)
         self.model_dir = str(resolve_model(cfg.model))
         self.batcher = _setup_batcher(cfg, self.model_dir, self.rank, self.world)
-        self.policy = build_policy(self.model_dir, t, self.device, self.world)
+        attention, self.attention_reason = select_trainer_attention(cfg)
+        self.policy = build_policy(self.model_dir, t, self.device, self.world, attention)
         self.opt, self.sched = build_optimizer(self.policy, t)
         self.loss_fn = build_loss(t.loss, cfg.generation.max_new_tokens)
         self.start = 0
@@ -85,12 +88,8 @@ class Trainer:
             from async_grpo.metrics import MetricsWriter
             from async_grpo.trainer.push import WeightPusher
 
-            dtype = getattr(torch, cfg.generation.dtype)
-            self.pusher = WeightPusher(["generation"], dtype, self.backend)
+            self.pusher = WeightPusher(["generation"], self.backend)
             self.writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
-            self.writer.write_params(
-                asdict(cfg) | {"world_size": self.world, "resumed_from": self.start}
-            )
             self.bar = tqdm(total=t.max_steps, initial=self.start, desc="steps", dynamic_ncols=True)
 
     def run(self) -> None:
@@ -102,6 +101,7 @@ class Trainer:
         state = full_state_dict(self.policy)
         if self.rank == 0:  # the workers serve exactly the weights step `start` trains
             self.pusher.push(state, self.start)
+            self._write_params()
             ray.get(self.batcher.start.remote(self.start))
             ray.get(self.batcher.set_version.remote(self.start))
         del state
@@ -113,6 +113,24 @@ class Trainer:
             self.bar.close()
         dist.barrier()
         dist.destroy_process_group()
+
+    def _write_params(self) -> None:
+        """training_params.json: the config, and what `auto` resolved to in each process."""
+        p = self.policy
+        resolved = {
+            "trainer_compute_dtype": p.precision.describe(),
+            "trainer_attention": f"{p.attention.name} ({self.attention_reason})",
+            "trainer_activation_checkpointing": p.checkpointing,
+            "generation_dtype": self.pusher.worker_dtypes,
+            "weight_push_dtype": self.pusher.wire_dtype,
+        }
+        extra = {"world_size": self.world, "resumed_from": self.start, "resolved": resolved}
+        self.writer.write_params(asdict(self.cfg) | extra)
+        print(
+            "precision: trainer computes in {trainer_compute_dtype}; generation workers"
+            " {generation_dtype}; attention {trainer_attention}".format(**resolved),
+            flush=True,
+        )
 
     def _accumulate(self, step: int) -> tuple[EndOfBatch, dict[str, Any]]:
         """Forward/backward every minibatch of the step; returns its EndOfBatch and sums."""
@@ -138,7 +156,7 @@ class Trainer:
                 return item, acc
             tf = time.perf_counter()
             batch = pack(item.samples, share_prompts=self.cfg.batcher.share_prompts)
-            batch = batch.to(self.device)
+            batch = self.policy.attention.prepare(batch).to(self.device)
             logp, ent = self.policy(batch, True)
             loss, m = self.loss_fn(logp, batch, 1, 1, ent if use_entropy else None, 1)
             loss.backward()
@@ -235,11 +253,24 @@ class Trainer:
                 "entropy": summary.get("entropy_mean", 0.0),
                 **{k: v for k, v in summary.items() if k != "tokens"},
                 **eob.stats,
+                **self.policy.attention.stats(),
                 **timings,
             }
             self.writer.log(done, record)
             self.bar.set_postfix(reward=f"{eob.stats.get('reward/mean', 0.0):.3f}")
             self.bar.update(1)
+
+
+def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:
+    """The trainer's attention backend for its device (core/attention), or a ConfigError."""
+    from async_grpo.config import ConfigError
+    from async_grpo.core.attention import select_attention
+
+    t, b = cfg.trainer, cfg.batcher
+    try:
+        return select_attention(t.attention, t.device, b.share_prompts, True, b.max_tokens_per_gpu)
+    except ValueError as e:
+        raise ConfigError(f"trainer.attention: {e}") from None
 
 
 def train(cfg: RunConfig, address: str | None, resume: str | None = None) -> None:

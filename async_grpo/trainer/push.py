@@ -2,7 +2,9 @@
 
 The weight-sync group is (re)formed whenever the set of registered workers changes, so a
 worker that joins mid-run is in the next broadcast; before that it loads the weights
-published in the registry (a Ray object, kept for late joiners).
+published in the registry (a Ray object, kept for late joiners). Tensors travel in the
+dtype the workers serve (each resolves `auto` on its own node); workers that disagree get
+fp32 and cast on load.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ class WeightPusher:
     def __init__(
         self,
         pools: list[str],
-        dtype: torch.dtype,
         backend: str,
         timeout_s: float = 300.0,
         publish: bool = True,
@@ -34,7 +35,9 @@ class WeightPusher:
         from async_grpo.inference.client import get_registry
 
         self.registries = {p: get_registry(p) for p in pools}
-        self.dtype, self.backend, self.timeout_s, self.publish = dtype, backend, timeout_s, publish
+        self.backend, self.timeout_s, self.publish = backend, timeout_s, publish
+        self.dtype = torch.float32
+        self.worker_dtypes: dict[str, str] = {}
         self.group: WeightSyncGroup | None = None
         self.members: dict[str, Any] = {}
         self.last: dict[str, float] = {}
@@ -53,6 +56,10 @@ class WeightPusher:
         if self.group is not None:
             self.group.close()
         sizes = ray.get([h.group_size.remote() for h in handles.values()], timeout=60)
+        pings = ray.get([h.ping.remote() for h in handles.values()], timeout=60)
+        self.worker_dtypes = {p["worker_id"]: p["dtype"] for p in pings}
+        served = set(self.worker_dtypes.values())
+        self.dtype = getattr(torch, served.pop() if len(served) == 1 else "float32")
         world = 1 + sum(sizes)
         host = ray.util.get_node_ip_address()
         port = _free_port()
@@ -65,6 +72,10 @@ class WeightPusher:
         self.group = WeightSyncGroup(host, port, 0, world, self.backend, self.timeout_s)
         self._wait(refs, "join the weight-sync group")
         self.members = handles
+
+    @property
+    def wire_dtype(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     def _wait(self, refs: dict[str, Any], what: str) -> list[Any]:
         import ray

@@ -53,6 +53,10 @@ def test_int_is_accepted_for_float():
         ("trainer.num_ranks=0", "trainer.num_ranks: must be > 0"),
         ("trainer.loss.temperature=0.7", "trainer.loss.temperature: 0.7 differs"),
         ("nonsense", "expected key.path=value"),
+        ("trainer.attention=flex", "trainer.attention: 'flex' cannot train on CPU"),
+        ("trainer.attention=flash", "trainer.attention: 'flash' cannot train on CPU"),
+        ("logprob.attention=flash", "logprob.attention: 'flash' needs CUDA"),
+        ("generation.dtype=bf16", "generation.dtype: expected one of"),
     ],
 )
 def test_bad_configs_name_the_key(override, message):
@@ -72,3 +76,13 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("trainer: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_dtypes_default_to_auto_and_attention_checks_on_cuda():
+    cfg = load_config(None, [])
+    assert (cfg.generation.dtype, cfg.logprob.dtype, cfg.trainer.compute_dtype) == ("auto",) * 3
+    assert cfg.trainer.dtype == "float32" and cfg.trainer.activation_checkpointing is None
+    on_cuda = ["trainer.device=cuda", "trainer.attention=flash", "batcher.share_prompts=true"]
+    with pytest.raises(ConfigError, match="'flash' \\(varlen\\) cannot express"):
+        load_config(None, on_cuda)
+    assert load_config(None, on_cuda[:2]).trainer.attention == "flash"

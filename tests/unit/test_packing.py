@@ -9,6 +9,7 @@ import pytest
 import torch
 from _tiny import tiny_llama
 
+from async_grpo.core.attention import DenseAttention
 from async_grpo.core.logprobs import batch_logprobs, logprobs_from_logits
 from async_grpo.core.packing import PackInput, pack, packed_forward, plan_minibatches
 
@@ -115,7 +116,8 @@ def _check_packed_matches(model, samples, tol: float) -> None:
         got, _ = logprobs_from_logits(logits, batch.labels[0].clamp(min=0), chunk_size=16)
         assert (got[batch.loss_mask] - want).abs().max().item() <= tol
         got_explicit, _ = logprobs_from_logits(
-            packed_forward(model, batch, explicit_mask=True), batch.labels[0].clamp(min=0)
+            packed_forward(model, batch, DenseAttention(explicit_mask=True)),
+            batch.labels[0].clamp(min=0),
         )
         assert (got_explicit[batch.loss_mask] - want).abs().max().item() <= tol
         got_hidden, _ = batch_logprobs(model, batch, chunk_size=16)  # the trainer's path

@@ -72,7 +72,7 @@ def _policy(model_dir, **kw):
 
 def test_bf16_compute_keeps_fp32_master_weights(gloo_world, model_dir):
     batch = _batch()
-    ref_logp, _ = _policy(model_dir)(batch, False)
+    ref_logp, _ = _policy(model_dir, compute_dtype="float32")(batch, False)
     policy = _policy(model_dir, compute_dtype="bfloat16")
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
     logp, _ = policy(batch, False)
@@ -103,3 +103,35 @@ def test_bf16_parameters_lose_the_same_update(gloo_world, model_dir):
     opt, _ = build_optimizer(policy, TrainerConfig(lr=1e-7))
     opt.step()
     assert _moved_fraction(policy, before) < 0.05  # most bf16 weights cannot move by 1e-7
+
+
+def test_auto_compute_dtype_follows_the_cpu(gloo_world, model_dir, monkeypatch):
+    from async_grpo import precision
+
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(precision, "native_bf16", lambda device, n=native: (n, "probe"))
+        policy = _policy(model_dir)  # compute_dtype defaults to auto
+        assert policy.precision.torch_dtype == want and "auto" in policy.precision.reason
+        assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    policy = _policy(model_dir, dtype="bfloat16")  # auto never computes wider than masters
+    assert policy.precision.dtype == "bfloat16"
+
+
+def test_activation_checkpointing_changes_no_gradient_or_name(gloo_world, model_dir):
+    batch = _batch()
+    grads, names = [], []
+    for ac in (False, True):
+        policy = _policy(model_dir, compute_dtype="float32", activation_checkpointing=ac)
+        assert policy.checkpointing is ac
+        calls = []
+        policy.hf.model.layers[0].mlp.register_forward_pre_hook(lambda *a, c=calls: c.append(1))
+        logp, ent = policy(batch, True)
+        (-(logp * batch.advantages).sum() + 0.1 * ent.sum()).backward()
+        assert len(calls) == (2 if ac else 1)  # recomputed in the backward
+        grads.append(torch.cat([p.grad.full_tensor().flatten() for p in policy.parameters()]))
+        names.append(sorted(n for n, _ in policy.named_parameters()))
+    assert names[0] == names[1]  # checkpoints and weight pushes see the same names
+    assert grads[0].abs().max() > 1e-4
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5), (
+        (grads[0] - grads[1]).abs().max()
+    )
