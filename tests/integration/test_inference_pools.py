@@ -51,16 +51,37 @@ def prompts(smollm2_dir):
     return [chat_token_ids(tok, f"What is {i} + {i + 3}?") for i in range(64)]
 
 
-def _client():
-    from async_grpo.inference.client import PoolClient
-
-    return PoolClient("generation", lease_timeout_s=120, call_timeout_s=300)
-
-
-def test_64_concurrent_requests_split_across_both_workers(workers, prompts):
+@pytest.fixture(scope="module")
+def tokens_per_s(workers, prompts) -> float:
+    """This machine's generation speed (one worker, 4 x 16 sampled tokens, after a warm-up):
+    lease and call timeouts scale with it, so a CPU that emulates bf16 (or a slow one) gets
+    the time it needs instead of a constant tuned on another machine."""
     import ray
 
-    client = _client()
+    w, settings = workers[0], SamplingSettings(16, 1.0, 1.0, seed=0)
+    ray.get(w.generate.remote(prompts[0], 4, settings), timeout=600)
+    t = time.monotonic()
+    out = ray.get(w.generate.remote(prompts[1], 4, settings), timeout=600)
+    speed = sum(len(c.token_ids) for c in out) / (time.monotonic() - t)
+    print(f"generation speed here: {speed:.0f} tok/s (4 sequences, one worker)")
+    return speed
+
+
+def _client(tokens_per_s: float = 0.0, tokens: int = 0):
+    """A pool client whose waits cover `tokens` generated at `tokens_per_s` (single-request
+    speed, so batching only adds margin) four times over, and never less than 120 s."""
+    from async_grpo.inference.client import PoolClient
+
+    budget = 4 * tokens / tokens_per_s if tokens_per_s else 0.0
+    return PoolClient(
+        "generation", lease_timeout_s=max(120.0, budget), call_timeout_s=max(300.0, budget)
+    )
+
+
+def test_64_concurrent_requests_split_across_both_workers(workers, prompts, tokens_per_s):
+    import ray
+
+    client = _client(tokens_per_s, 64 * 4 * 16)
 
     async def run():
         return await asyncio.gather(
@@ -125,7 +146,7 @@ def test_weight_update_by_broadcast(workers, prompts, smollm2_dir):
     named = [
         (k, v + 0.05 * v.std() * torch.randn(v.shape, generator=gen)) for k, v in original.items()
     ]
-    metas = metas_for(named, torch.bfloat16)
+    metas = metas_for(named, torch.bfloat16)  # any wire dtype: vLLM casts on load
     t = time.monotonic()
     done = w.receive_weights.remote([(m.name, m.shape, m.dtype) for m in metas], 3)
     sent = group.send(named, metas)
@@ -153,13 +174,15 @@ def test_request_that_can_never_fit_is_refused_at_once(workers):
     assert time.monotonic() - t < 5
 
 
-def test_killing_a_worker_mid_stream_loses_no_request(workers, prompts, smollm2_dir):
+def test_killing_a_worker_mid_stream_loses_no_request(
+    workers, prompts, smollm2_dir, tokens_per_s
+):
     import ray
     from safetensors.torch import load_file
 
     from async_grpo.inference.launch import start_generation_workers, stop_workers
 
-    client = _client()
+    client = _client(tokens_per_s, 2 * 32 * 4 * 16)  # every request may run twice
 
     async def run():
         tasks = [

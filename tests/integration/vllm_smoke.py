@@ -1,4 +1,5 @@
-"""Run by test_models.py in a subprocess: load a model folder in vLLM and generate greedily."""
+"""Run by test_models.py in a subprocess: load a model folder in vLLM, generate greedily in
+the given dtype, print the completion's token ids and per-token log-probs as JSON."""
 
 import json
 import os
@@ -11,23 +12,24 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    model_dir = sys.argv[1]
+    model_dir, dtype = sys.argv[1], sys.argv[2]
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tok.apply_chat_template(
+    prompt_ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
-        tokenize=False,
+        tokenize=True,
+        return_dict=False,
     )
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0)
-    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, logprobs=0))[
-        0
-    ].outputs[0]
+    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=512, seed=0)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], params)[0].outputs[0]
     print(
         json.dumps(
             {
+                "prompt_ids": list(prompt_ids),
+                "token_ids": list(out.token_ids),
                 "text": out.text,
-                "n": len(out.token_ids),
-                "logprobs": [next(iter(d.values())).logprob for d in out.logprobs],
+                "logprobs": [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)],
             }
         )
     )
