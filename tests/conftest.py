@@ -32,3 +32,15 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     from async_grpo.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_from=smollm2_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are skipped where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

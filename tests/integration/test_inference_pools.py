@@ -174,9 +174,7 @@ def test_request_that_can_never_fit_is_refused_at_once(workers):
     assert time.monotonic() - t < 5
 
 
-def test_killing_a_worker_mid_stream_loses_no_request(
-    workers, prompts, smollm2_dir, tokens_per_s
-):
+def test_killing_a_worker_mid_stream_loses_no_request(workers, prompts, smollm2_dir, tokens_per_s):
     import ray
     from safetensors.torch import load_file
 

@@ -19,7 +19,9 @@ def worker(tiny_model_dir):
     from async_grpo.ray_utils import connect
 
     connect(None, num_cpus=4, object_store_bytes=256 << 20)
-    (w,) = start_logprob_workers(str(tiny_model_dir), LogprobConfig(max_tokens_per_batch=64), 1)
+    (w,) = start_logprob_workers(
+        str(tiny_model_dir), LogprobConfig(max_tokens_per_batch=64, dtype="float32"), 1
+    )
     yield w
     stop_workers([w], drain_timeout_s=5)
     ray.shutdown()

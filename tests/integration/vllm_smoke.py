@@ -29,7 +29,9 @@ if __name__ == "__main__":
                 "prompt_ids": list(prompt_ids),
                 "token_ids": list(out.token_ids),
                 "text": out.text,
-                "logprobs": [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)],
+                "logprobs": [
+                    d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=True)
+                ],
             }
         )
     )

@@ -14,7 +14,11 @@ from async_grpo.precision import cpu_bf16_units, cpu_kind, native_bf16, resolve_
 def test_explicit_dtypes_win():
     for name in ("float32", "bfloat16", "float16"):
         p = resolve_dtype(name, "cpu")
-        assert (p.dtype, p.reason, p.torch_dtype) == (name, "set in the config", getattr(torch, name))
+        assert (p.dtype, p.reason, p.torch_dtype) == (
+            name,
+            "set in the config",
+            getattr(torch, name),
+        )
 
 
 def test_auto_on_this_cpu_follows_its_bf16_units():
