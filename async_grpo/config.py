@@ -80,7 +80,7 @@ class BatcherConfig:
     samples_per_question: int = 4  # the GRPO group size
     max_off_policy_steps: int = 1  # 0 = synchronous on-policy
     max_tokens_per_gpu: int = 1024
-    share_prompts: bool = False  # a group's prompt once per row (explicit mask; not flash varlen)
+    share_prompts: bool = False  # a group's prompt once per row (dense mask or flex BlockMask)
     skip_zero_advantage: bool = (
         True  # equal-reward groups: counted, not run (exact if no KL/entropy)
     )
