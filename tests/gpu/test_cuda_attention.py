@@ -3,8 +3,6 @@ backend equal per-sample ones within bf16 rounding; a checkpointed flex step fin
 
 from __future__ import annotations
 
-import datetime
-import socket
 import sys
 import time
 from pathlib import Path
@@ -67,21 +65,11 @@ def test_packed_bf16_logprobs_and_grads_match_per_sample(name, share):
 
 @pytest.fixture(scope="module")
 def nccl_world():
-    import torch.distributed as dist
+    from _dist import one_rank_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torch.cuda.set_device(0)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    yield
-    dist.destroy_process_group()
+    with one_rank_group("cpu:gloo,cuda:nccl", timeout_s=120):
+        yield
 
 
 def test_host_and_device_collectives_share_the_default_group(nccl_world):

@@ -4,12 +4,9 @@ One gloo process (world size 1) shards a tiny Llama exactly as the trainer does.
 
 from __future__ import annotations
 
-import datetime
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
+from _dist import one_rank_group
 from _tiny import tiny_llama
 
 from async_grpo.config import TrainerConfig
@@ -19,18 +16,8 @@ from async_grpo.trainer.model import build_optimizer, build_policy
 
 @pytest.fixture(scope="module")
 def gloo_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    yield
-    dist.destroy_process_group()
+    with one_rank_group("gloo"):
+        yield
 
 
 @pytest.fixture(scope="module")
