@@ -3,38 +3,68 @@
 A dead worker (RayActorError) is dropped from the registry and the request is retried on
 another worker, at most `max_retries` times. A `RequestError` (bad input) fails alone and
 is not retried. Every wait is bounded and says what it waited for.
+
+A lease is released however the call ends: answered, failed, timed out or cancelled (also
+while still waiting for the lease). A call that times out or is cancelled is cancelled in
+the worker too (`ray.cancel`: its coroutine gets CancelledError and vLLM aborts the
+request), so no ghost work keeps the worker busy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from typing import Any
 
 from async_grpo.inference.types import PoolUnavailable
 from async_grpo.ray_utils import NAMESPACE, registry_name
 
+REGISTRY_TIMEOUT_S = 60.0
+LEASE_SLACK_S = 60.0  # a lease outlives its call timeout by this much before it expires
 
-def get_registry(pool: str, timeout_s: float = 60.0) -> Any:
-    """The named registry actor of `pool`, waiting for it to appear."""
-    import time
 
+def _lookup_registry(pool: str) -> Any | None:
     import ray
 
+    try:
+        return ray.get_actor(registry_name(pool), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _no_registry(pool: str, timeout_s: float) -> PoolUnavailable:
+    return PoolUnavailable(
+        f"no registry for pool {pool!r} after {timeout_s:.0f}s:"
+        f" start workers with `async-grpo worker --mode {pool}`"
+    )
+
+
+def get_registry(pool: str, timeout_s: float = REGISTRY_TIMEOUT_S) -> Any:
+    """The named registry actor of `pool`, waiting for it to appear (for sync callers)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return ray.get_actor(registry_name(pool), namespace=NAMESPACE)
-        except ValueError:
-            if time.monotonic() > deadline:
-                raise PoolUnavailable(
-                    f"no registry for pool {pool!r} after {timeout_s:.0f}s:"
-                    f" start workers with `async-grpo worker --mode {pool}`"
-                ) from None
-            time.sleep(0.5)
+    while (registry := _lookup_registry(pool)) is None:
+        if time.monotonic() > deadline:
+            raise _no_registry(pool, timeout_s)
+        time.sleep(0.5)
+    return registry
+
+
+async def get_registry_async(pool: str, timeout_s: float = REGISTRY_TIMEOUT_S) -> Any:
+    """`get_registry` for async code: waits with asyncio.sleep, never blocking the loop."""
+    deadline = time.monotonic() + timeout_s
+    while (registry := _lookup_registry(pool)) is None:
+        if time.monotonic() > deadline:
+            raise _no_registry(pool, timeout_s)
+        await asyncio.sleep(0.5)
+    return registry
 
 
 class PoolClient:
-    """Calls `method` on the least-loaded worker of a pool with room for `n` sequences."""
+    """Calls `method` on the least-loaded worker of a pool with room for `n` sequences.
+
+    Construction does not wait: the registry is looked up on the first call (or on the
+    first read of `registry` from sync code)."""
 
     def __init__(
         self,
@@ -45,34 +75,64 @@ class PoolClient:
         max_retries: int = 3,
     ) -> None:
         self.pool = pool
-        self.registry = registry if registry is not None else get_registry(pool)
+        self._registry = registry
         self.lease_timeout_s = lease_timeout_s
         self.call_timeout_s = call_timeout_s
         self.max_retries = max_retries
         self.retries = 0  # requests moved to another worker after a death (a metric)
+        self.cancelled = 0  # calls cancelled in the worker after a timeout or cancel (a metric)
+
+    @property
+    def registry(self) -> Any:
+        if self._registry is None:
+            self._registry = get_registry(self.pool)
+        return self._registry
 
     async def call(self, n: int, method: str, *args: Any, **kwargs: Any) -> Any:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+        if self._registry is None:
+            self._registry = await get_registry_async(self.pool)
         last: Exception | None = None
         for _ in range(self.max_retries + 1):
-            worker_id, handle = await self.registry.lease.remote(n, self.lease_timeout_s)
+            lease_id = uuid.uuid4().hex
+            granted = self._registry.lease.remote(
+                n, self.lease_timeout_s, self.call_timeout_s + LEASE_SLACK_S, lease_id
+            )
+            worker_id = "?"
             try:
-                ref = getattr(handle, method).remote(*args, **kwargs)
-                return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
+                _, worker_id, handle = await granted
+                return await self._call_worker(handle, worker_id, method, args, kwargs)
             except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
                 last = e
                 self.retries += 1
-                await self.registry.drop.remote(
+                await self._registry.drop.remote(
                     worker_id, f"died during {method}: {type(e).__name__}"
                 )
-            except TimeoutError:
-                raise TimeoutError(
-                    f"pool {self.pool!r}: worker {worker_id} did not answer {method} within"
-                    f" {self.call_timeout_s:.0f}s"
-                ) from None
             finally:
-                await self.registry.release.remote(worker_id, n)
+                # submitted at once, so it also happens when this task is cancelled here;
+                # a lease released before its grant is never granted
+                await self._registry.release.remote(lease_id)
         raise PoolUnavailable(
             f"pool {self.pool!r}: {method} failed on {self.max_retries + 1} workers; last: {last}"
         )
+
+    async def _call_worker(
+        self, handle: Any, worker_id: str, method: str, args: tuple, kwargs: dict
+    ) -> Any:
+        import ray
+
+        ref = getattr(handle, method).remote(*args, **kwargs)
+        try:
+            return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
+        except TimeoutError:
+            self.cancelled += 1
+            ray.cancel(ref)
+            raise TimeoutError(
+                f"pool {self.pool!r}: worker {worker_id} did not answer {method} within"
+                f" {self.call_timeout_s:.0f}s (cancelled there)"
+            ) from None
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            ray.cancel(ref)
+            raise

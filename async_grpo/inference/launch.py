@@ -6,7 +6,7 @@ the classes without Ray and resources are never hard-coded in class decorators.
 
 from __future__ import annotations
 
-import time
+import uuid
 from typing import Any
 
 from async_grpo.config import GenerationConfig, LogprobConfig, VerifierConfig
@@ -16,8 +16,18 @@ START_TIMEOUT_S = 900.0
 VERIFIER_CAPACITY = 4096  # samples a verifier worker accepts at once
 
 
-def ensure_registry(pool: str, heartbeat_timeout_s: float = 30.0) -> Any:
-    """The pool's named registry actor, created if absent (detached: it outlives drivers)."""
+def worker_ids(prefix: str, count: int) -> list[str]:
+    """Ids unique across commands, nodes and runs: `async-grpo worker` started on two nodes
+    in the same second must not collide (the registry refuses a second actor under an id)."""
+    batch = uuid.uuid4().hex[:8]
+    return [f"{prefix}-{batch}-{i}" for i in range(count)]
+
+
+def ensure_registry(
+    pool: str, heartbeat_timeout_s: float = 30.0, lease_grace_s: float = 10.0
+) -> Any:
+    """The pool's named registry actor, created if absent (detached: it outlives drivers).
+    An existing registry keeps the settings it was created with."""
     import ray
 
     from async_grpo.inference.registry import LeastLoadedRegistry
@@ -32,7 +42,7 @@ def ensure_registry(pool: str, heartbeat_timeout_s: float = 30.0) -> Any:
             num_cpus=0,
             max_concurrency=1000,
         )
-        .remote(pool, heartbeat_timeout_s)
+        .remote(pool, heartbeat_timeout_s, lease_grace_s)
     )
 
 
@@ -65,8 +75,7 @@ def _start_pool(
     if detached:
         opts = {**opts, "lifetime": "detached"}
     actor = ray.remote(cls).options(max_concurrency=1000, **opts)
-    stamp = time.strftime("%H%M%S")
-    workers = [actor.remote(*args(f"{prefix}-{stamp}-{i}")) for i in range(count)]
+    workers = [actor.remote(*args(wid)) for wid in worker_ids(prefix, count)]
     _wait_started([w.start.remote() for w in workers], f"{pool} workers", timeout_s)
     return workers
 
@@ -160,13 +169,10 @@ def start_verifier_workers(
     actor = ray.remote(VerifierWorker).options(**opts)
     workers = [actor.remote(cfg) for _ in range(count)]
     _wait_started([w.stats.remote() for w in workers], "verifier workers", timeout_s)
-    stamp = time.strftime("%H%M%S")
     ray.get(
         [
-            registry.register.remote(
-                f"verify-{stamp}-{i}", w, VERIFIER_CAPACITY, 0, socket.gethostname(), False
-            )
-            for i, w in enumerate(workers)
+            registry.register.remote(wid, w, VERIFIER_CAPACITY, 0, socket.gethostname(), False)
+            for wid, w in zip(worker_ids("verify", count), workers, strict=True)
         ],
         timeout=timeout_s,
     )

@@ -2,8 +2,13 @@
 
 Workers register with a capacity (concurrent sequences) and heartbeat. Callers lease the
 least-loaded worker with room for `n` sequences, talk to it directly (the registry never
-carries tensors), then release the lease. Runs as one named Ray actor per pool; the class
-is plain so tests can drive it without Ray.
+carries requests), then release the lease by its id. Runs as one named, detached Ray actor
+per pool, so it outlives runs; the class is plain so tests can drive it without Ray.
+
+Leases cannot leak across runs: each one expires (the caller's call timeout plus slack),
+and a worker's heartbeat reports its own in-flight count, which reclaims leases that no
+running request backs (a caller that crashed or was cancelled). Published weights are
+copied into an object this actor owns, so they outlive the trainer that published them.
 """
 
 from __future__ import annotations
@@ -11,33 +16,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from async_grpo.inference.types import PoolUnavailable, WorkerStatus
+
+DEFAULT_HOLD_S = 3600.0  # a lease's life when the caller names none
+PUBLISH_TIMEOUT_S = 600.0  # copying published weights into this actor's own object
 
 
 @dataclass
 class _Worker:
     handle: Any
     capacity: int
-    load: int
     version: int
     node: str
     last_heartbeat: float
     heartbeats: bool = True
+    load: int = 0  # sequences leased (sum of its live leases)
+
+
+@dataclass
+class _Lease:
+    worker_id: str
+    n: int
+    granted: float
+    expires: float
 
 
 class LeastLoadedRegistry:
     """Leases, liveness and the latest published weights of one pool."""
 
-    def __init__(self, pool: str, heartbeat_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, pool: str, heartbeat_timeout_s: float = 30.0, lease_grace_s: float = 10.0
+    ) -> None:
         self.pool = pool
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # a lease older than this must show in its worker's reported in-flight count
+        self.lease_grace_s = lease_grace_s
         self._workers: dict[str, _Worker] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._released_early: dict[str, float] = {}  # lease id -> when (released before grant)
         self._changed = asyncio.Condition()
+        self._publishing = asyncio.Lock()
         self._weights: tuple[int, list[Any]] | None = None  # (version, [ObjectRef])
         self.dropped: dict[str, str] = {}  # worker id -> reason
+        self.reclaimed = {"expired": 0, "unbacked": 0}  # leases taken back (a metric)
 
     async def register(
         self,
@@ -50,12 +75,21 @@ class LeastLoadedRegistry:
     ) -> tuple[int, list[Any]] | None:
         """Add a worker; returns the latest published weights it should load first, if any.
 
+        The same worker (same handle) may register again, e.g. after being dropped for a
+        slow heartbeat; its leases stay. Another actor under a registered id is refused.
         A worker registered with `heartbeats=False` never expires; callers still drop it
         when a call finds it dead."""
         if capacity <= 0:
             raise ValueError(f"worker {worker_id}: capacity must be > 0, got {capacity}")
+        old = self._workers.get(worker_id)
+        if old is not None and old.handle != handle:
+            raise ValueError(
+                f"pool {self.pool!r}: worker id {worker_id!r} is already registered by another"
+                f" actor (node {old.node or '?'}); worker ids must be unique"
+            )
+        load = old.load if old is not None else 0
         self._workers[worker_id] = _Worker(
-            handle, capacity, 0, version, node, time.monotonic(), heartbeats
+            handle, capacity, version, node, time.monotonic(), heartbeats, load
         )
         self.dropped.pop(worker_id, None)
         await self._notify()
@@ -63,29 +97,58 @@ class LeastLoadedRegistry:
             return self._weights
         return None
 
-    async def heartbeat(self, worker_id: str, version: int) -> bool:
-        """False tells the worker it was dropped and must register again."""
+    async def heartbeat(self, worker_id: str, version: int, in_flight: int | None = None) -> bool:
+        """False tells the worker it was dropped and must register again.
+
+        `in_flight`: sequences the worker is serving now; leases older than the grace
+        period beyond that count are reclaimed, oldest first."""
         w = self._workers.get(worker_id)
         if w is None:
             return False
-        w.last_heartbeat, w.version = time.monotonic(), version
+        now = time.monotonic()
+        w.last_heartbeat, w.version = now, version
+        if in_flight is not None:
+            old = sorted(
+                (le.granted, lid)
+                for lid, le in self._leases.items()
+                if le.worker_id == worker_id and now - le.granted > self.lease_grace_s
+            )
+            excess = sum(self._leases[lid].n for _, lid in old) - in_flight
+            for _, lid in old:
+                if excess <= 0:
+                    break
+                excess -= self._leases[lid].n
+                self._end_lease(lid, "unbacked")
+            await self._notify()
         return True
 
     async def deregister(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        self._forget(worker_id)
         await self._notify()
 
     async def drop(self, worker_id: str, reason: str) -> None:
         """Remove a worker a caller found dead; its leases vanish with it."""
-        if self._workers.pop(worker_id, None) is not None:
+        if self._forget(worker_id):
             self.dropped[worker_id] = reason
             await self._notify()
 
-    async def lease(self, n: int, timeout_s: float) -> tuple[str, Any]:
-        """The least-loaded live worker with room for `n` sequences; waits up to `timeout_s`."""
+    async def lease(
+        self,
+        n: int,
+        timeout_s: float,
+        hold_s: float = DEFAULT_HOLD_S,
+        lease_id: str | None = None,
+    ) -> tuple[str, str, Any]:
+        """The least-loaded live worker with room for `n` sequences, as (lease id, worker
+        id, handle); waits up to `timeout_s`. The lease expires after `hold_s` unless
+        released first. A caller may choose `lease_id` so it can release a lease whose
+        grant it never saw (it was cancelled while waiting)."""
+        lease_id = lease_id or uuid.uuid4().hex
         deadline = time.monotonic() + timeout_s
         async with self._changed:
             while True:
+                if self._released_early.pop(lease_id, None) is not None:
+                    raise PoolUnavailable(f"pool {self.pool!r}: lease {lease_id} was cancelled")
                 self._expire()
                 if self._workers and n > max(w.capacity for w in self._workers.values()):
                     raise PoolUnavailable(
@@ -100,8 +163,10 @@ class LeastLoadedRegistry:
                 ]
                 if room:
                     _, wid = min(room)
+                    now = time.monotonic()
+                    self._leases[lease_id] = _Lease(wid, n, now, now + hold_s)
                     self._workers[wid].load += n
-                    return wid, self._workers[wid].handle
+                    return lease_id, wid, self._workers[wid].handle
                 left = deadline - time.monotonic()
                 if left <= 0:
                     what = "no live workers" if not self._workers else "all workers busy"
@@ -112,17 +177,28 @@ class LeastLoadedRegistry:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
 
-    async def release(self, worker_id: str, n: int) -> None:
-        w = self._workers.get(worker_id)
-        if w is not None:
-            w.load = max(0, w.load - n)
-            await self._notify()
+    async def release(self, lease_id: str) -> None:
+        """End a lease. Idempotent; a lease released before it was granted is never granted."""
+        if lease_id in self._leases:
+            self._end_lease(lease_id, None)
+        else:  # not granted (yet), or already ended
+            now = time.monotonic()
+            self._released_early[lease_id] = now
+            for lid, t in list(self._released_early.items()):  # bounded: forget old ids
+                if now - t > DEFAULT_HOLD_S:
+                    del self._released_early[lid]
+        await self._notify()
 
     async def publish_weights(self, version: int, ref: list[Any]) -> None:
-        """Keep the latest weights (a one-element list holding an ObjectRef) for late joiners."""
-        self._weights = (version, ref)
+        """Keep the latest weights (a one-element list holding an ObjectRef) for late joiners.
+
+        Under Ray the object is copied into one this actor owns: a Ray object dies with the
+        process that put it, and the publishing trainer exits long before this registry."""
+        async with self._publishing:
+            self._weights = (version, await _owned_copy(ref))
 
     async def status(self) -> list[WorkerStatus]:
+        self._expire()
         now = time.monotonic()
         return [
             WorkerStatus(
@@ -140,13 +216,47 @@ class LeastLoadedRegistry:
     async def handles(self) -> dict[str, Any]:
         return {wid: w.handle for wid, w in self._workers.items()}
 
+    def _end_lease(self, lease_id: str, reclaimed: str | None) -> None:
+        le = self._leases.pop(lease_id)
+        w = self._workers.get(le.worker_id)
+        if w is not None:
+            w.load = max(0, w.load - le.n)
+        if reclaimed:
+            self.reclaimed[reclaimed] += 1
+
+    def _forget(self, worker_id: str) -> bool:
+        for lid in [lid for lid, le in self._leases.items() if le.worker_id == worker_id]:
+            del self._leases[lid]
+        return self._workers.pop(worker_id, None) is not None
+
     def _expire(self) -> None:
         now = time.monotonic()
+        for lid in [lid for lid, le in self._leases.items() if le.expires < now]:
+            self._end_lease(lid, "expired")
         for wid, w in list(self._workers.items()):
             if w.heartbeats and now - w.last_heartbeat > self.heartbeat_timeout_s:
-                del self._workers[wid]
+                self._forget(wid)
                 self.dropped[wid] = f"no heartbeat for {now - w.last_heartbeat:.0f}s"
 
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+
+async def _owned_copy(ref: list[Any]) -> list[Any]:
+    """`[ObjectRef]` -> `[ObjectRef]` of a copy owned by the calling process (this actor).
+
+    Anything else (plain values, in tests without Ray) is kept as it is. Ray 2.56 removed
+    `ray.put(..., _owner=...)`, so ownership passes by fetching and putting again."""
+    import ray
+
+    if not (ref and isinstance(ref[0], ray.ObjectRef)):
+        return ref
+
+    try:
+        state = await asyncio.wait_for(ref[0], timeout=PUBLISH_TIMEOUT_S)
+    except TimeoutError:
+        raise TimeoutError(
+            f"could not fetch the published weights within {PUBLISH_TIMEOUT_S:.0f}s"
+        ) from None
+    return [await asyncio.to_thread(ray.put, state)]

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 HEARTBEAT_S = 2.0
+FETCH_WEIGHTS_TIMEOUT_S = 600.0  # fetching the published weights from the object store
 
 
 class RegisteredWorker:
@@ -23,34 +24,58 @@ class RegisteredWorker:
         self.stopping = False
         self.dtype = "float32"  # what the model computes in, once started
         self.registry: Any = None
+        self.weight_load_failures = 0  # published weights that could not be fetched (a metric)
         self._heartbeat: asyncio.Task | None = None
 
     async def register(self) -> None:
         """Join the pool's registry (inside a Ray actor); load published weights first."""
         import ray
 
-        from async_grpo.inference.client import get_registry
+        from async_grpo.inference.client import get_registry_async
 
-        self.registry = get_registry(self.pool)
+        self.registry = await get_registry_async(self.pool)
         me = ray.get_runtime_context().current_actor
+        await self._join(me)
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat(me))
+
+    async def _join(self, me: Any) -> None:
+        """Register (again) and load the weights the registry says are newer than ours."""
         latest = await self.registry.register.remote(
             self.worker_id, me, self.capacity, self.version, socket.gethostname()
         )
-        if latest is not None:
-            version, ref = latest
-            await self.update_weights_from_state_dict(ref, version)
-            await self.registry.heartbeat.remote(self.worker_id, self.version)
-        self._heartbeat = asyncio.get_running_loop().create_task(self._beat(me))
+        if latest is not None and await self.load_published(latest):
+            await self.registry.heartbeat.remote(self.worker_id, self.version, self.in_flight)
+
+    async def load_published(self, latest: tuple[int, list[Any]]) -> bool:
+        """Load `(version, [ObjectRef])` from the registry. If the object cannot be fetched
+        (e.g. its owner is gone), say so in one line and keep serving the current weights:
+        the trainer's next push brings this worker up to date."""
+        from ray.exceptions import GetTimeoutError, ObjectLostError
+
+        version, ref = latest
+        try:
+            state = await asyncio.wait_for(ref[0], timeout=FETCH_WEIGHTS_TIMEOUT_S)
+        except (ObjectLostError, GetTimeoutError, TimeoutError) as e:
+            self.weight_load_failures += 1
+            print(
+                f"{self.worker_id}: cannot load published weights version {version}"
+                f" ({type(e).__name__}); serving version {self.version} until the next push",
+                flush=True,
+            )
+            return False
+        if version > self.version:  # a push may have overtaken this load
+            await self.update_weights_from_state_dict(state, version)
+        return True
 
     async def _beat(self, me: Any) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                known = await self.registry.heartbeat.remote(self.worker_id, self.version)
+                known = await self.registry.heartbeat.remote(
+                    self.worker_id, self.version, self.in_flight
+                )
                 if not known:  # dropped (e.g. a slow heartbeat): join again
-                    await self.registry.register.remote(
-                        self.worker_id, me, self.capacity, self.version, socket.gethostname()
-                    )
+                    await self._join(me)
             except Exception as e:  # the registry may be restarting; keep serving
                 print(f"{self.worker_id}: heartbeat failed: {e}", flush=True)
 
@@ -65,6 +90,7 @@ class RegisteredWorker:
             "requests_served": getattr(self, "requests_served", 0),
             "dtype": self.dtype,
             "stopping": self.stopping,
+            "weight_load_failures": self.weight_load_failures,
         }
 
     async def drain(self, timeout_s: float) -> dict[str, int]:

@@ -2,9 +2,9 @@
 
 The weight-sync group is (re)formed whenever the set of registered workers changes, so a
 worker that joins mid-run is in the next broadcast; before that it loads the weights
-published in the registry (a Ray object, kept for late joiners). Tensors travel in the
-dtype the workers serve (each resolves `auto` on its own node); workers that disagree get
-fp32 and cast on load.
+published in the registry (a Ray object the registry owns, so it outlives this run).
+Tensors travel in the dtype the workers serve (each resolves `auto` on its own node);
+workers that disagree get fp32 and cast on load.
 """
 
 from __future__ import annotations
@@ -88,9 +88,24 @@ class WeightPusher:
             raise TimeoutError(f"workers {late} did not {what} within {self.timeout_s:.0f}s")
         return ray.get(ready)
 
+    def _publish(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Keep `version` in each registry for late joiners. A registry copies the object
+        into one it owns: ours dies with this process, theirs outlives the run."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        ref = ray.put({k: v.to(self.dtype) for k, v in state.items()})
+        refs = [reg.publish_weights.remote(version, [ref]) for reg in self.registries.values()]
+        try:
+            ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"registries {list(self.registries)} did not keep weights version {version}"
+                f" within {self.timeout_s:.0f}s"
+            ) from None
+
     def push(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Broadcast `state` as `version`; returns timings (seconds) and bytes."""
-        import ray
 
         t0 = time.perf_counter()
         handles = self._current_workers()
@@ -107,9 +122,7 @@ class WeightPusher:
         versions = self._wait(refs, f"load weights version {version}")
         t2 = time.perf_counter()
         if self.publish:
-            ref = ray.put({k: v.to(self.dtype) for k, v in state.items()})
-            for reg in self.registries.values():
-                ray.get(reg.publish_weights.remote(version, [ref]), timeout=60)
+            self._publish(state, version)
         t3 = time.perf_counter()
         self.last = {
             "time/weight_push": t2 - t1,

@@ -4,8 +4,13 @@ import asyncio
 
 import pytest
 
+from async_grpo.inference.launch import worker_ids
 from async_grpo.inference.registry import LeastLoadedRegistry
 from async_grpo.inference.types import PoolUnavailable
+
+
+def _loads(statuses):
+    return {s.worker_id: s.load for s in statuses}
 
 
 def test_least_loaded_worker_is_leased():
@@ -15,11 +20,27 @@ def test_least_loaded_worker_is_leased():
         await reg.register("b", "handle-b", capacity=4, version=0)
         leases = [await reg.lease(2, timeout_s=1) for _ in range(3)]
         # a: 0/8 -> b: 0/4 tie broken by load fraction; then a (2/8 = .25 < b 2/4 = .5)
-        assert [wid for wid, _ in leases] == ["a", "b", "a"]
-        status = {s.worker_id: s.load for s in await reg.status()}
-        assert status == {"a": 4, "b": 2}
-        await reg.release("a", 2)
-        assert {s.worker_id: s.load for s in await reg.status()}["a"] == 2
+        assert [wid for _, wid, _ in leases] == ["a", "b", "a"]
+        assert [h for *_, h in leases] == ["handle-a", "handle-b", "handle-a"]
+        assert _loads(await reg.status()) == {"a": 4, "b": 2}
+        await reg.release(leases[0][0])
+        assert _loads(await reg.status()) == {"a": 2, "b": 2}
+
+    asyncio.run(run())
+
+
+def test_release_is_by_id_and_idempotent():
+    async def run():
+        reg = LeastLoadedRegistry("generation")
+        await reg.register("a", "h", capacity=4, version=0)
+        first, _, _ = await reg.lease(3, timeout_s=1)
+        second, _, _ = await reg.lease(1, timeout_s=1)
+        await reg.release(first)
+        await reg.release(first)  # twice: the second is a no-op, not a second 3 off
+        assert _loads(await reg.status()) == {"a": 1}
+        await reg.release(second)
+        await reg.release("never-granted")
+        assert _loads(await reg.status()) == {"a": 0}
 
     asyncio.run(run())
 
@@ -30,14 +51,85 @@ def test_never_fits_is_refused_at_once_and_busy_pool_waits():
         await reg.register("a", "h", capacity=4, version=0)
         with pytest.raises(PoolUnavailable, match="can never fit"):
             await reg.lease(5, timeout_s=10)
-        await reg.lease(4, timeout_s=1)
+        full, _, _ = await reg.lease(4, timeout_s=1)
         waiter = asyncio.ensure_future(reg.lease(2, timeout_s=5))
         await asyncio.sleep(0.05)
         assert not waiter.done()
-        await reg.release("a", 4)
-        assert (await waiter)[0] == "a"
+        await reg.release(full)
+        assert (await waiter)[1] == "a"
         with pytest.raises(PoolUnavailable, match="all workers busy"):
             await reg.lease(4, timeout_s=0.1)
+
+    asyncio.run(run())
+
+
+def test_expired_lease_is_reclaimed():
+    """A caller that never releases (its run crashed) holds capacity only until expiry."""
+
+    async def run():
+        reg = LeastLoadedRegistry("generation")
+        await reg.register("a", "h", capacity=4, version=0)
+        await reg.lease(4, timeout_s=1, hold_s=0.05)  # never released
+        assert _loads(await reg.status()) == {"a": 4}
+        await asyncio.sleep(0.1)
+        assert _loads(await reg.status()) == {"a": 0}  # status reclaims too
+        await reg.lease(4, timeout_s=1, hold_s=0.05)
+        await asyncio.sleep(0.1)
+        assert (await reg.lease(4, timeout_s=1))[1] == "a"  # the next caller gets all of it
+        assert reg.reclaimed["expired"] == 2
+
+    asyncio.run(run())
+
+
+def test_heartbeat_in_flight_reclaims_unbacked_leases_oldest_first():
+    """Leases older than the grace period that the worker's own in-flight count does not
+    back are taken back; younger leases are left alone (their request may not have
+    reached the worker yet)."""
+
+    async def run():
+        reg = LeastLoadedRegistry("generation", lease_grace_s=0.05)
+        await reg.register("a", "h", capacity=8, version=0)
+        await reg.register("b", "h2", capacity=8, version=0)
+        oldest, _, _ = await reg.lease(2, timeout_s=1)  # a
+        await reg.lease(2, timeout_s=1)  # b
+        await asyncio.sleep(0.01)
+        kept, wid, _ = await reg.lease(3, timeout_s=1)  # a (2/8 == 2/8, "a" < "b")
+        assert wid == "a"
+        await asyncio.sleep(0.1)
+        young, _, _ = await reg.lease(1, timeout_s=1)  # b: 2/8 < 5/8
+        assert _loads(await reg.status()) == {"a": 5, "b": 3}
+        # a serves 3 sequences: 5 leased on it, so the oldest lease (2) has no request
+        assert await reg.heartbeat("a", 0, in_flight=3) is True
+        assert _loads(await reg.status()) == {"a": 3, "b": 3}
+        await reg.release(oldest)  # the late release of a reclaimed lease changes nothing
+        assert _loads(await reg.status()) == {"a": 3, "b": 3}
+        # b serves nothing: its old lease goes, the young one (within grace) stays
+        await reg.heartbeat("b", 0, in_flight=0)
+        assert _loads(await reg.status()) == {"a": 3, "b": 1}
+        assert reg.reclaimed["unbacked"] == 2
+        await reg.heartbeat("a", 0)  # no count reported: nothing reclaimed
+        await reg.release(kept)
+        await reg.release(young)
+        assert _loads(await reg.status()) == {"a": 0, "b": 0}
+
+    asyncio.run(run())
+
+
+def test_lease_released_before_its_grant_is_never_granted():
+    """A caller cancelled while waiting releases a lease id it never saw granted."""
+
+    async def run():
+        reg = LeastLoadedRegistry("generation")
+        await reg.register("a", "h", capacity=4, version=0)
+        full, _, _ = await reg.lease(4, timeout_s=1)
+        waiter = asyncio.ensure_future(reg.lease(4, timeout_s=5, lease_id="gone"))
+        await asyncio.sleep(0.05)
+        await reg.release("gone")
+        with pytest.raises(PoolUnavailable, match="lease gone was cancelled"):
+            await waiter
+        await reg.release(full)
+        assert _loads(await reg.status()) == {"a": 0}
+        assert (await reg.lease(4, timeout_s=1))[1] == "a"
 
     asyncio.run(run())
 
@@ -48,7 +140,7 @@ def test_dead_and_silent_workers_are_dropped():
         await reg.register("a", "h", capacity=4, version=0)
         await reg.register("v", "h", capacity=4, version=0, heartbeats=False)
         await asyncio.sleep(0.1)
-        wid, _ = await reg.lease(1, timeout_s=1)  # "a" missed its heartbeat
+        _, wid, _ = await reg.lease(1, timeout_s=1)  # "a" missed its heartbeat
         assert wid == "v" and "no heartbeat" in reg.dropped["a"]
         assert await reg.heartbeat("a", 0) is False  # told to register again
         await reg.drop("v", "died during logprobs")
@@ -56,6 +148,31 @@ def test_dead_and_silent_workers_are_dropped():
             await reg.lease(1, timeout_s=0.1)
 
     asyncio.run(run())
+
+
+def test_duplicate_worker_id_from_another_actor_is_refused():
+    async def run():
+        reg = LeastLoadedRegistry("generation")
+        await reg.register("gen-1", "actor-A", capacity=4, version=0, node="n1")
+        lid, _, _ = await reg.lease(3, timeout_s=1)
+        with pytest.raises(ValueError, match="'gen-1' is already registered by another actor"):
+            await reg.register("gen-1", "actor-B", capacity=4, version=0, node="n2")
+        assert await reg.handles() == {"gen-1": "actor-A"}
+        # the same actor registering again (from its heartbeat) is fine; its lease stays
+        await reg.register("gen-1", "actor-A", capacity=4, version=2, node="n1")
+        assert [(s.load, s.version) for s in await reg.status()] == [(3, 2)]
+        await reg.release(lid)
+        # once it is gone, the id is free again
+        await reg.deregister("gen-1")
+        await reg.register("gen-1", "actor-B", capacity=4, version=0)
+
+    asyncio.run(run())
+
+
+def test_worker_ids_are_unique_within_one_second():
+    a, b = worker_ids("gen", 2), worker_ids("gen", 2)
+    assert len(set(a + b)) == 4
+    assert all(w.startswith("gen-") for w in a) and a[1].endswith("-1")
 
 
 def test_late_joiner_gets_the_published_weights():
