@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from async_grpo.batcher.channel import Channel
+from async_grpo.batcher.channel import Channel, ChannelClosed
 from async_grpo.batcher.rounds import fill_round, split_group
 from async_grpo.batcher.types import EndOfBatch, Minibatch, ScoredSample
 from async_grpo.config import RunConfig
@@ -29,6 +29,7 @@ from async_grpo.data import Prompt, PromptSampler
 from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
 
 GROUP_ATTEMPTS = 3
+POOL_STATS_TIMEOUT_S = 60.0
 
 
 class ExperienceBatcher:
@@ -51,7 +52,8 @@ class ExperienceBatcher:
         self.channel = Channel(list(range(num_ranks)), 4 * cfg.batcher.max_tokens_per_gpu)
         self._ready: dict[int, asyncio.Queue] = defaultdict(asyncio.Queue)
         self._tasks: list[asyncio.Task] = []
-        self.counters: dict[str, float] = defaultdict(float)
+        self.counters: dict[str, float] = defaultdict(float)  # packing, over the run
+        self.drops: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.error: str | None = None
         loss = cfg.trainer.loss
         # all-equal rewards give all-zero advantages; with no KL and no entropy term such a
@@ -85,6 +87,8 @@ class ExperienceBatcher:
             raise RuntimeError(f"batcher failed: {self.error}")
         try:
             (item,) = await self.channel.get_batch(rank, 1, timeout_s)  # weights are >= 1
+        except ChannelClosed:  # closed by a failure (or a stop): say which
+            raise RuntimeError(f"batcher failed: {self.error or 'stopped'}") from None
         except TimeoutError:
             raise TimeoutError(
                 f"rank {rank} waited {timeout_s:.0f}s for a minibatch from the"
@@ -93,8 +97,12 @@ class ExperienceBatcher:
         return item
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        """Cancel every producing task and wait for them, so their leases are released."""
+        tasks = [t for t in self._tasks if not t.done()]
+        for t in tasks:
             t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=60)
         await self.channel.close()
 
     @property
@@ -115,7 +123,7 @@ class ExperienceBatcher:
     async def _produce(self, start_step: int) -> None:
         b = self.cfg.batcher
         step = start_step
-        while True:
+        while step < self.cfg.trainer.max_steps:
             async with self._version_changed:
                 await self._version_changed.wait_for(
                     lambda s=step: self.version >= s - b.max_off_policy_steps
@@ -136,11 +144,11 @@ class ExperienceBatcher:
             try:
                 group = await self._make_group(step, prompt, sampling)
             except RequestError as e:  # this prompt is bad; the run goes on without it
-                self.counters["dropped/bad_request"] += 1
+                self.drops[step]["dropped/bad_request"] += 1
                 print(f"batcher: step {step} slot {slot}: {e}", flush=True)
                 break
             except (PoolUnavailable, TimeoutError) as e:
-                self.counters["dropped/group_error"] += 1
+                self.drops[step]["dropped/group_error"] += 1
                 print(f"batcher: step {step} slot {slot} attempt {attempt}: {e}", flush=True)
                 continue
             if group is not None:
@@ -157,7 +165,7 @@ class ExperienceBatcher:
         completions = await self._clients["generation"].call(n, "generate", ids, n, sampling)
         version = min(c.policy_version for c in completions)
         if step - version > self.cfg.batcher.max_off_policy_steps:
-            self.counters["dropped/stale"] += n
+            self.drops[step]["dropped/stale"] += n
             return None
         scored = await self._clients["verifier"].call(
             n,
@@ -194,7 +202,7 @@ class ExperienceBatcher:
         b = self.cfg.batcher
         budget = b.max_tokens_per_gpu
         step = start_step
-        while True:
+        while step < self.cfg.trainer.max_steps:
             t0 = time.monotonic()
             buffer: list[list[ScoredSample]] = []  # packing units: samples that go together
             groups: list[list[ScoredSample]] = []
@@ -246,8 +254,17 @@ class ExperienceBatcher:
         registry = getattr(self._clients["verifier"], "registry", None)
         if registry is None:
             return out
-        handles = await registry.handles.remote()
-        per_worker = await asyncio.gather(*(h.stats.remote() for h in handles.values()))
+        try:
+            async with asyncio.timeout(POOL_STATS_TIMEOUT_S):
+                handles = await registry.handles.remote()
+                per_worker = await asyncio.gather(*(h.stats.remote() for h in handles.values()))
+        except TimeoutError:
+            print(
+                f"batcher: verifier stats not answered within {POOL_STATS_TIMEOUT_S:.0f}s;"
+                " this step's verifier counters are left out",
+                flush=True,
+            )
+            return out
         for key in ("verifier/timeouts", "verifier/errors", "verifier/scored"):
             out[key] = float(sum(w.get(key, 0) for w in per_worker))
         return out
@@ -277,7 +294,7 @@ class ExperienceBatcher:
     ) -> dict[str, float]:
         samples = [s for g in groups for s in g]
         if not samples:
-            return {"samples": 0.0, **self._drain_counters()}
+            return {"samples": 0.0, **self._drain_counters(step)}
         mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0  # noqa: E731
         stats = {
             "samples": float(len(samples)),
@@ -294,16 +311,15 @@ class ExperienceBatcher:
         }
         for key in sorted({k for s in samples for k in s.components}):
             stats[f"reward/{key}"] = mean([s.components.get(key, 0.0) for s in samples])
-        return stats | self._drain_counters()
+        return stats | self._drain_counters(step)
 
-    def _drain_counters(self) -> dict[str, float]:
-        out = {k: v for k, v in self.counters.items() if k.startswith("dropped/")}
+    def _drain_counters(self, step: int) -> dict[str, float]:
+        """The drops of `step`'s groups (every group of the step has reported by now) and
+        the run's packing efficiency so far."""
+        out = dict(self.drops.pop(step, {}))
         budget = self.counters.get("packed_budget", 0.0)
         if budget:
             out["packing_efficiency"] = self.counters["packed_tokens"] / budget
-        for k in out:
-            if k.startswith("dropped/"):
-                self.counters[k] = 0.0
         return out
 
 

@@ -35,17 +35,15 @@ class Channel:
         """Queue `item`; waits (up to `timeout_s`) while the key is full."""
         self._check_key(key)
         async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait_for(
                         lambda: (
                             self._closed
                             or not self._queues[key]
                             or self._weight[key] + weight <= self.max_weight
                         )
-                    ),
-                    timeout_s,
-                )
+                    )
             except TimeoutError:
                 raise TimeoutError(
                     f"channel key {key!r} stayed full ({self._weight[key]} of {self.max_weight})"
@@ -63,9 +61,8 @@ class Channel:
         queue = self._queues[key]
         async with self._changed:
             try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._closed or bool(queue)), timeout_s
-                )
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait_for(lambda: self._closed or bool(queue))
             except TimeoutError:
                 raise TimeoutError(
                     f"no item for channel key {key!r} within {timeout_s:.0f}s"

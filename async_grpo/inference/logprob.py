@@ -3,7 +3,9 @@
 In: (prompt ids, completion ids) pairs. Out: one log-prob per completion token. Used as the
 frozen reference model (KL penalty) or, with weight updates, as the old policy.
 Requests from many callers are packed into padding-free rows of at most
-`max_tokens_per_batch` tokens; the forward runs in a thread so the actor keeps answering.
+`max_tokens_per_batch` tokens; a sample longer than that is scored alone in its own row
+(up to the model's context), never refused for its length. The forward runs in a thread
+so the actor keeps answering.
 """
 
 from __future__ import annotations
@@ -91,14 +93,13 @@ class LogprobWorker(RegisteredWorker):
 
     async def logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Log-probs of each completion token given its prompt, in request order."""
-        budget = self.cfg.max_tokens_per_batch
         for p, c in pairs:
             if not p or not c:
                 raise RequestError(f"{self.worker_id}: empty prompt or completion")
-            if len(p) + len(c) > min(budget, self.max_len):
+            if len(p) + len(c) > self.max_len:
                 raise RequestError(
                     f"{self.worker_id}: sample of {len(p) + len(c)} tokens exceeds"
-                    f" max_tokens_per_batch={budget} or the model context {self.max_len}"
+                    f" the model context {self.max_len}"
                 )
         loop = asyncio.get_running_loop()
         pending = [_Pending(p, c, loop.create_future()) for p, c in pairs]
@@ -111,7 +112,8 @@ class LogprobWorker(RegisteredWorker):
             self.in_flight -= len(pairs)
 
     async def _serve(self) -> None:
-        """Take queued samples up to the token budget, score them in one packed forward."""
+        """Take queued samples up to the token budget (a longer one alone), score them in
+        one packed forward. A failed forward fails only its own callers; the loop goes on."""
         budget = self.cfg.max_tokens_per_batch
         carry: _Pending | None = None
         while True:
@@ -130,9 +132,10 @@ class LogprobWorker(RegisteredWorker):
                 results = await asyncio.to_thread(self._score, batch)
             except Exception as e:  # a failed forward fails only this batch's callers
                 for item in batch:
-                    item.future.set_exception(
-                        RuntimeError(f"{self.worker_id}: forward failed: {e}")
-                    )
+                    if not item.future.done():  # a caller may have gone (cancelled)
+                        item.future.set_exception(
+                            RuntimeError(f"{self.worker_id}: forward failed: {e}")
+                        )
                 continue
             for item, lp in zip(batch, results, strict=True):
                 if not item.future.done():

@@ -60,9 +60,25 @@ def test_batched_logprobs_match_one_at_a_time(worker, tiny_model_dir):
         assert max(abs(a - b) for a, b in zip(got, _reference(model, p, c), strict=True)) < 1e-4
 
 
-def test_oversized_sample_fails_alone(worker):
+def test_a_sample_over_the_budget_is_scored_alone(worker, tiny_model_dir):
+    """70 tokens > max_tokens_per_batch=64: scored in a row of its own, beside packed short
+    ones, not refused (a refusal drops the whole group with the KL penalty on)."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    long_pair = (list(range(1, 61)), list(range(100, 110)))
+    short = ([1, 2, 3], [4, 5])
+    refs = [worker.logprobs.remote([short]), worker.logprobs.remote([long_pair, short])]
+    first, (long_lp, short_lp) = ray.get(refs, timeout=120)
+    assert len(long_lp) == 10
+    assert max(abs(a - b) for a, b in zip(long_lp, _reference(model, *long_pair))) < 1e-4
+    assert first[0] == pytest.approx(short_lp, abs=1e-5)
+
+
+def test_a_sample_over_the_model_context_fails_alone(worker):
     import ray
 
-    with pytest.raises(RequestError, match="exceeds max_tokens_per_batch=64"):
-        ray.get(worker.logprobs.remote([([1] * 60, [2] * 10)]))
-    assert len(ray.get(worker.logprobs.remote([([1, 2, 3], [4, 5])]))[0]) == 2
+    with pytest.raises(RequestError, match="exceeds the model context"):
+        ray.get(worker.logprobs.remote([([1] * 2100, [2] * 10)]), timeout=120)
+    assert len(ray.get(worker.logprobs.remote([([1, 2, 3], [4, 5])]), timeout=120)[0]) == 2

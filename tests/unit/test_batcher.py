@@ -1,0 +1,286 @@
+"""The ExperienceBatcher in asyncio with scripted pools (the pools are not under test
+here; they have their own integration tests): rounds to 2 ranks, equal minibatch counts,
+EndOfBatch books, skipping, mask_truncated, the staleness gate, regeneration of stale
+groups, retries, errors reaching every waiting rank, and where drops are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import replace
+
+import pytest
+
+from async_grpo.batcher.batcher import ExperienceBatcher
+from async_grpo.batcher.types import EndOfBatch, Minibatch
+from async_grpo.config import BatcherConfig, LossConfig, RunConfig, TrainerConfig
+from async_grpo.data import Prompt
+from async_grpo.inference.types import Completion, PoolUnavailable, RequestError
+from async_grpo.rewards import RewardOutput
+
+BUDGET = 64
+
+
+class ScriptedGeneration:
+    """Completions of seeded random lengths, from the policy version the batcher last
+    announced (or `versions_served`, in order, when given). `failures`: exceptions raised
+    by the first calls, in order. Records (step, slot, attempt) of each call via the seed."""
+
+    def __init__(self, batcher, failures=(), versions_served=(), truncate_every=0):
+        self.batcher, self.failures = batcher, list(failures)
+        self.versions_served = list(versions_served)
+        self.truncate_every = truncate_every
+        self.calls: list[tuple[int, int]] = []  # (prompt length, version served)
+        self.retries = 0
+
+    async def call(self, n, method, ids, n2, sampling):
+        assert method == "generate" and n == n2
+        await asyncio.sleep(0)
+        if self.failures:
+            raise self.failures.pop(0)
+        version = self.versions_served.pop(0) if self.versions_served else self.batcher.version
+        self.calls.append((len(ids), version))
+        rng = random.Random(sampling.seed)
+        out = []
+        for i in range(n):
+            k = rng.randint(1, 12)
+            truncated = bool(self.truncate_every) and i % self.truncate_every == 0
+            out.append(
+                Completion(
+                    [rng.randrange(100) for _ in range(k)],
+                    [-1.0] * k,
+                    "x" * k,
+                    "length" if truncated else "stop",
+                    version,
+                )
+            )
+        return out
+
+
+class ScriptedVerifier:
+    """Reward = completion length mod 3 (groups mostly differ); `equal_groups`: the
+    groups of these prompt lengths all get 1.0 (zero advantage)."""
+
+    def __init__(self, equal_prompt_lens=()):
+        self.equal = set(equal_prompt_lens)
+        self.retries = 0
+
+    async def call(self, n, method, items):
+        assert method == "score"
+        if len(items[0].prompt) in self.equal:
+            return [RewardOutput(1.0) for _ in items]
+        return [RewardOutput(float(len(it.completion) % 3)) for it in items]
+
+
+def _prompts(n=6):
+    # prompt i has i + 3 tokens, so a group is known by its prompt length
+    return [Prompt("p" * (i + 3), "a", list(range(i + 3))) for i in range(n)]
+
+
+def _cfg(**batcher) -> RunConfig:
+    b = BatcherConfig(
+        questions_per_step=4, samples_per_question=4, max_tokens_per_gpu=BUDGET, **batcher
+    )
+    t = TrainerConfig(max_steps=3, loss=LossConfig())
+    return replace(RunConfig(), batcher=b, trainer=t)
+
+
+async def _drain(batcher, rank, timeout_s=30.0):
+    """Everything `rank` receives for one step: its minibatches, then the EndOfBatch."""
+    items = []
+    while True:
+        item = await batcher.get(rank, timeout_s)
+        items.append(item)
+        if isinstance(item, EndOfBatch):
+            return items
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def _make(cfg, gen_kw=None, verifier_kw=None):
+    b = ExperienceBatcher(cfg, _prompts(), num_ranks=2, clients={})
+    gen = ScriptedGeneration(b, **(gen_kw or {}))
+    b._clients = {"generation": gen, "verifier": ScriptedVerifier(**(verifier_kw or {}))}
+    return b, gen
+
+
+def test_two_ranks_get_equal_rounds_and_balanced_books():
+    async def main():
+        b, _ = _make(_cfg())
+        await b.start(0)
+        await b.set_version(0)
+        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.stop()
+        return per_rank
+
+    per_rank = _run(main())
+    eobs = [items[-1] for items in per_rank]
+    mbs = [[i for i in items if isinstance(i, Minibatch)] for items in per_rank]
+    assert eobs[0] == eobs[1] and eobs[0].step == 0
+    assert len(mbs[0]) == len(mbs[1]) == eobs[0].num_minibatches >= 1
+    sent = [s for r in mbs for mb in r for s in mb.samples]
+    for r in mbs:
+        for mb in r:
+            assert mb.num_tokens == sum(
+                len(s.prompt_ids) + len(s.completion_ids) for s in mb.samples
+            )
+            assert mb.num_tokens <= BUDGET
+    # every generated sample is either sent or counted as skipped, none twice
+    assert len(sent) + eobs[0].skipped_samples == 16
+    tokens = sum(len(s.completion_ids) for s in sent)
+    assert eobs[0].global_tokens == tokens + eobs[0].skipped_tokens
+    assert eobs[0].global_samples == len(sent) + eobs[0].skipped_samples
+    assert eobs[0].stats["samples"] == 16.0
+
+
+def test_equal_reward_groups_are_counted_not_sent_and_truncated_ones_masked():
+    async def main():
+        cfg = _cfg()
+        cfg.trainer.loss.mask_truncated = True
+        # step 0 draws some 4 prompts; make every prompt's group equal except by length 3
+        b, _ = _make(cfg, {"truncate_every": 2}, {"equal_prompt_lens": [4, 5, 6, 7, 8]})
+        await b.start(0)
+        await b.set_version(0)
+        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.stop()
+        return per_rank
+
+    per_rank = _run(main())
+    eob = per_rank[0][-1]
+    sent = [s for items in per_rank for mb in items[:-1] for s in mb.samples]
+    skipped = eob.stats["skipped_samples"]
+    assert skipped >= 4 and skipped % 4 == 0  # whole groups
+    assert eob.skipped_samples == skipped // 2  # their truncated half carries no loss
+    assert all(len(s.prompt_ids) == 3 for s in sent)  # only the unequal prompt is sent
+    kept = [s for s in sent if not s.truncated]
+    assert eob.global_samples - eob.skipped_samples == len(kept) < len(sent) or not sent
+    assert eob.global_tokens - eob.skipped_tokens == sum(len(s.completion_ids) for s in kept)
+
+
+def test_staleness_gate_and_stale_groups_regenerated():
+    async def main():
+        cfg = _cfg(max_off_policy_steps=0)
+        # the first answer comes from version -1: staler than step 0 allows
+        b, gen = _make(cfg, {"versions_served": [-1]})
+        await b.start(0)
+        await asyncio.sleep(0.2)
+        assert gen.calls == [], "generation started before the workers served version 0"
+        await b.set_version(0)
+        step0 = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await asyncio.sleep(0.2)
+        calls_before_push = len(gen.calls)
+        await b.set_version(1)  # max_off_policy_steps=0: step 1 waits for version 1
+        step1 = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.stop()
+        return step0, step1, calls_before_push, gen.calls
+
+    step0, step1, before_push, calls = _run(main())
+    assert step0[0][-1].stats["dropped/stale"] == 4.0  # one group of 4, regenerated
+    assert step0[0][-1].stats["samples"] == 16.0
+    assert "dropped/stale" not in step1[0][-1].stats  # counted in its own step only
+    assert before_push == 5  # step 0's 4 groups + 1 regeneration, nothing of step 1
+    assert all(v == 1 for _, v in calls[5:])
+
+
+def test_failed_attempts_are_retried_and_counted_in_their_step():
+    async def main():
+        fails = [PoolUnavailable("all busy"), TimeoutError("slow")]
+        b, gen = _make(_cfg(), {"failures": fails})
+        await b.start(0)
+        await b.set_version(0)
+        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.stop()
+        return per_rank
+
+    per_rank = _run(main())
+    stats = per_rank[0][-1].stats
+    assert stats["dropped/group_error"] == 2.0
+    assert stats["samples"] == 16.0  # both groups came back on a later attempt
+
+
+def test_a_bad_request_drops_only_its_group():
+    async def main():
+        b, _ = _make(_cfg(), {"failures": [RequestError("prompt too long")]})
+        await b.start(0)
+        await b.set_version(0)
+        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.stop()
+        return per_rank
+
+    stats = _run(main())[0][-1].stats
+    assert stats["dropped/bad_request"] == 1.0 and stats["samples"] == 12.0
+
+
+def test_an_unexpected_error_reaches_every_waiting_rank():
+    async def main():
+        b, _ = _make(_cfg(), {"failures": [ValueError("engine exploded")] * 8})
+        await b.start(0)
+        await b.set_version(0)
+        results = await asyncio.gather(b.get(0, 30.0), b.get(1, 30.0), return_exceptions=True)
+        later = await asyncio.gather(b.get(1, 1.0), return_exceptions=True)
+        await b.stop()
+        return results + later
+
+    for r in _run(main()):
+        assert isinstance(r, RuntimeError), r
+        assert "ValueError: engine exploded" in str(r)
+
+
+def test_production_stops_at_max_steps():
+    async def main():
+        cfg = _cfg(max_off_policy_steps=5)
+        cfg.trainer.max_steps = 2
+        b, gen = _make(cfg)
+        await b.start(0)
+        await b.set_version(0)
+        for _ in range(2):
+            await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await asyncio.sleep(0.3)
+        await b.stop()
+        return gen.calls
+
+    assert len(_run(main())) == 8  # 2 steps x 4 groups, nothing past the last step
+
+
+def test_stop_cancels_and_awaits_groups_in_flight():
+    started, finished = [], []
+
+    class Hanging(ScriptedGeneration):
+        async def call(self, n, method, ids, n2, sampling):
+            started.append(1)
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                finished.append(1)  # a real client releases its lease here
+
+    async def main():
+        b = ExperienceBatcher(_cfg(max_off_policy_steps=0), _prompts(), 2, clients={})
+        b._clients = {"generation": Hanging(b), "verifier": ScriptedVerifier()}
+        await b.start(0)
+        await b.set_version(0)
+        await asyncio.sleep(0.2)
+        await b.stop()
+
+    _run(main())
+    assert len(started) == len(finished) == 4
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_mode_generates_ahead_but_within_the_bound(k):
+    async def main():
+        cfg = _cfg(max_off_policy_steps=k)
+        b, gen = _make(cfg)
+        await b.start(0)
+        await b.set_version(0)
+        await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await asyncio.sleep(0.3)  # version stays 0: steps 1..k may run, not k+1
+        ahead = {v for _, v in gen.calls}
+        n = len(gen.calls)
+        await b.stop()
+        return ahead, n
+
+    ahead, n = _run(main())
+    assert ahead == {0}
+    assert n == 4 * min(k + 1, 3)  # max_steps is 3
