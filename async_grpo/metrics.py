@@ -50,17 +50,23 @@ def to_scalar(key: str, value: Any) -> int | float | None:
 class MetricsWriter:
     """Appends one JSON line per `log` call to `output_dir/training_metrics.jsonl`.
 
-    The file is opened in append mode, so a resumed run continues the same file. With
+    The file is opened in append mode, so a resumed run continues the same file; with
+    `after_step` the rows of later steps (written by a run that went on past the
+    checkpoint it is resumed from) are dropped first, so every step appears once. With
     `tensorboard=True` the same scalars also go to a TensorBoard event file in
     `output_dir/tensorboard` when `torch.utils.tensorboard` is importable (otherwise a
     warning and nothing more).
     """
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = False) -> None:
+    def __init__(
+        self, output_dir: str | Path, tensorboard: bool = False, after_step: int | None = None
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILE
         self.non_finite = 0  # NaN/inf values written as null so far
+        if after_step is not None and self.path.is_file():
+            self._keep_until(after_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._tb = _open_tensorboard(self.output_dir / "tensorboard") if tensorboard else None
 
@@ -80,6 +86,21 @@ class MetricsWriter:
             Path(tmp).unlink(missing_ok=True)
             raise
         return path
+
+    def _keep_until(self, step: int) -> None:
+        """Rewrite the file (atomically) without the rows of steps after `step`."""
+        kept = []
+        for text in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill mid-write
+            if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+                kept.append(text if text.endswith("\n") else text + "\n")
+        fd, tmp = tempfile.mkstemp(prefix=f".{METRICS_FILE}-", dir=self.output_dir)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append `{"step": step, **metrics}` as one line and flush it."""

@@ -14,13 +14,20 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def connect(
-    address: str | None, num_cpus: int | None = None, object_store_bytes: int = 1 << 30
+    address: str | None,
+    num_cpus: int | None = None,
+    object_store_bytes: int = 1 << 30,
+    log_to_driver: bool = True,
 ) -> dict[str, Any]:
-    """Join the cluster at `address`, or start a private local instance when it is None."""
+    """Join the cluster at `address`, or start a private local instance when it is None.
+    `log_to_driver=False`: actors' output is not streamed to this process's console."""
+    import logging
+
     import ray
 
     if ray.is_initialized():
         return {}
+    level = logging.INFO if log_to_driver else logging.WARNING  # quiet: no connect lines
     if address is None:
         return ray.init(
             address="local",
@@ -28,9 +35,12 @@ def connect(
             num_cpus=num_cpus,
             include_dashboard=False,
             object_store_memory=object_store_bytes,
-            log_to_driver=True,
+            log_to_driver=log_to_driver,
+            logging_level=level,
         )
-    return ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+    return ray.init(
+        address=address, namespace=NAMESPACE, log_to_driver=log_to_driver, logging_level=level
+    )
 
 
 def registry_name(pool: str) -> str:

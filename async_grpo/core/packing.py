@@ -278,7 +278,9 @@ def plan_minibatches(lengths: list[int], max_tokens: int, num_ranks: int) -> lis
     with room), then minibatches are dealt, largest first, to the least-loaded rank that
     still has fewer than ceil(#minibatches / num_ranks). Every rank gets the same number of
     minibatches; ranks that run short get empty ones, which `pack([])` turns into
-    placeholders with zero loss. Returns `plan[rank][minibatch] = [sample indices]`.
+    placeholders with zero loss (their pass keeps the ranks' collectives in step). No
+    samples, no minibatches: a round empty on every rank is never run.
+    Returns `plan[rank][minibatch] = [sample indices]`.
     """
     if num_ranks < 1 or max_tokens < 1:
         raise ValueError(f"need num_ranks >= 1 and max_tokens >= 1, got {num_ranks}, {max_tokens}")
@@ -294,7 +296,7 @@ def plan_minibatches(lengths: list[int], max_tokens: int, num_ranks: int) -> lis
             room.append(max_tokens)
         bins[b].append(i)
         room[b] -= lengths[i]
-    depth = max(1, -(-len(bins) // num_ranks))
+    depth = -(-len(bins) // num_ranks)
     plan: list[list[list[int]]] = [[] for _ in range(num_ranks)]
     load = [0] * num_ranks
     for b in sorted(range(len(bins)), key=lambda b: (room[b], b)):  # fullest first

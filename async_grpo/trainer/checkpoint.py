@@ -33,8 +33,10 @@ def save(
     full_state: dict[str, Any],
     tokenizer_dir: str,
     rank: int,
+    counters: dict[str, int] | None = None,
 ) -> Path:
-    """Collective: every rank writes its shard; rank 0 writes the HF folder and the state."""
+    """Collective: every rank writes its shard; rank 0 writes the HF folder and the state
+    (step, scheduler and the trainer's running `counters`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -47,6 +49,7 @@ def save(
         policy.hf.save_pretrained(path / "hf", state_dict=full_state)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "hf")
         state = {"step": step, "policy_version": step, "scheduler": sched.state_dict()}
+        state |= counters or {}
         tmp = path / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path / STATE_FILE)
@@ -71,8 +74,9 @@ def find_resume(output_dir: str, resume: str) -> Path:
     return path
 
 
-def load(path: Path, policy: Any, opt: Any, sched: Any) -> int:
-    """Restore model, optimizer and scheduler in place (collective); returns the step."""
+def load(path: Path, policy: Any, opt: Any, sched: Any) -> dict[str, Any]:
+    """Restore model, optimizer and scheduler in place (collective); returns the saved
+    state (`step` and the counters)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -82,4 +86,4 @@ def load(path: Path, policy: Any, opt: Any, sched: Any) -> int:
     set_state_dict(policy, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     info = json.loads((path / STATE_FILE).read_text())
     sched.load_state_dict(info["scheduler"])
-    return int(info["step"])
+    return info

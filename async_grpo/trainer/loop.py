@@ -21,94 +21,71 @@ import torch.distributed as dist
 
 from async_grpo.batcher.types import EndOfBatch
 from async_grpo.config import RunConfig
-from async_grpo.core.loss import build_loss, loss_counts, summarize_metrics
+from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask, summarize_metrics
 from async_grpo.core.packing import pack
 
-GET_TIMEOUT_S = 3600.0
 
-
-def _setup_batcher(cfg: RunConfig, model_dir: str, rank: int, world: int) -> Any:
-    """Rank 0 creates the named batcher actor; the other ranks look it up."""
-    import ray
-
-    from async_grpo.batcher.batcher import ExperienceBatcher
-    from async_grpo.data.tokenize import prepare_prompts
-    from async_grpo.ray_utils import NAMESPACE
-
-    name = f"batcher:{os.path.abspath(cfg.output_dir)}"
-    if rank == 0:
-        prompts = prepare_prompts(cfg.data, model_dir, cfg.generation.max_model_len)
-        actor = ray.remote(ExperienceBatcher).options(
-            name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000
-        )
-        batcher = actor.remote(cfg, prompts, world)
-    dist.barrier()
-    if rank != 0:
-        batcher = ray.get_actor(name, namespace=NAMESPACE)
-    return batcher
+def process_group_backend(device_type: str) -> str:
+    """The default group's backend for each device type it carries tensors of: host
+    tensors (counts, barriers) over gloo and, on CUDA, the FSDP collectives over NCCL.
+    A collective on a tensor of any other device type fails, so none may be issued."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "cpu:gloo"
 
 
 class Trainer:
-    """One torchrun rank. Rank 0 also owns the batcher, the weight pusher and the metrics."""
+    """One torchrun rank: `step` runs every minibatch the batcher sends this rank, then
+    one optimizer step. Rank 0 also pushes weights and writes metrics (`pusher`,
+    `writer`, `bar`, attached by `build_trainer`)."""
 
-    def __init__(self, cfg: RunConfig, address: str | None, resume: str | None) -> None:
-        from async_grpo.models import resolve_model
-        from async_grpo.ray_utils import connect
-        from async_grpo.trainer import checkpoint
-        from async_grpo.trainer.model import build_optimizer, build_policy
-
-        self.cfg, t = cfg, cfg.trainer
-        if t.device == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(self.device)
-            # host tensors (counts, barriers) over gloo, device tensors (FSDP) over NCCL
-            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=self.device)
-        else:
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo")
-        self.backend = "nccl" if t.device == "cuda" else "gloo"  # the weight-sync group's
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy: Any,
+        opt: Any,
+        sched: Any,
+        batcher: Any,
+        model_dir: str,
+        device: torch.device,
+    ) -> None:
+        self.cfg, self.policy, self.opt, self.sched = cfg, policy, opt, sched
+        self.batcher, self.model_dir, self.device = batcher, model_dir, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        torch.set_num_threads(t.threads)
-        torch.manual_seed(cfg.batcher.seed)
-        connect(address)
-        self.model_dir = str(resolve_model(cfg.model))
-        self.batcher = _setup_batcher(cfg, self.model_dir, self.rank, self.world)
-        attention, self.attention_reason = select_trainer_attention(cfg)
-        self.policy = build_policy(self.model_dir, t, self.device, self.world, attention)
-        self.opt, self.sched = build_optimizer(self.policy, t)
-        self.loss_fn = build_loss(t.loss, cfg.generation.max_new_tokens)
+        self.loss_fn = build_loss(cfg.trainer.loss, cfg.generation.max_new_tokens)
         self.start = 0
-        if resume:
-            path = checkpoint.find_resume(cfg.output_dir, resume)
-            self.start = checkpoint.load(path, self.policy, self.opt, self.sched)
-        self.pusher = self.writer = self.bar = None
-        if self.rank == 0:
-            from tqdm import tqdm
+        self.samples_seen = 0  # samples trained on (with a loss token), over all steps
+        self.attention_reason = ""
+        self.pusher: Any = None
+        self.writer: Any = None
+        self.bar: Any = None
+        self.t_start = time.perf_counter()
 
-            from async_grpo.metrics import MetricsWriter
-            from async_grpo.trainer.push import WeightPusher
+    def resume(self, path: Any) -> None:
+        """Restore model, optimizer, schedule and counters from a checkpoint (collective)."""
+        from async_grpo.trainer import checkpoint
 
-            self.pusher = WeightPusher(["generation"], self.backend)
-            self.writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
-            self.bar = tqdm(total=t.max_steps, initial=self.start, desc="steps", dynamic_ncols=True)
+        info = checkpoint.load(path, self.policy, self.opt, self.sched)
+        self.start = int(info["step"])
+        self.samples_seen = int(info.get("samples_seen", 0))
 
     def run(self) -> None:
-        import ray
-
         from async_grpo.trainer.model import full_state_dict
 
         self.t_start = time.perf_counter()
         state = full_state_dict(self.policy)
         if self.rank == 0:  # the workers serve exactly the weights step `start` trains
+            from tqdm import tqdm
+
             self.pusher.push(state, self.start)
             self._write_params()
-            ray.get(self.batcher.start.remote(self.start))
-            ray.get(self.batcher.set_version.remote(self.start))
+            total = self.cfg.trainer.max_steps
+            self.bar = tqdm(total=total, initial=self.start, desc="steps", dynamic_ncols=True)
+            self.batcher.start(self.start)
+            self.batcher.set_version(self.start)
         del state
         for step in range(self.start, self.cfg.trainer.max_steps):
             self.step(step)
         if self.rank == 0:
-            ray.get(self.batcher.stop.remote())
+            self.batcher.stop()
             self.writer.close()
             self.bar.close()
         dist.barrier()
@@ -132,10 +109,8 @@ class Trainer:
             flush=True,
         )
 
-    def _accumulate(self, step: int) -> tuple[EndOfBatch, dict[str, Any]]:
+    def _accumulate(self) -> tuple[EndOfBatch, dict[str, Any]]:
         """Forward/backward every minibatch of the step; returns its EndOfBatch and sums."""
-        import ray
-
         acc: dict[str, Any] = {
             "sums": defaultdict(float),
             "passes": 0,
@@ -148,9 +123,7 @@ class Trainer:
         use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
         while True:
             tw = time.perf_counter()
-            item = ray.get(
-                self.batcher.get.remote(self.rank, GET_TIMEOUT_S), timeout=GET_TIMEOUT_S + 60
-            )
+            item = self.batcher.next()
             acc["time/wait"] += time.perf_counter() - tw
             if isinstance(item, EndOfBatch):
                 return item, acc
@@ -160,7 +133,8 @@ class Trainer:
             logp, ent = self.policy(batch, True)
             loss, m = self.loss_fn(logp, batch, 1, 1, ent if use_entropy else None, 1)
             loss.backward()
-            m["entropy_sum"] = ent.detach()[batch.loss_mask].sum()
+            # over the tokens that carry loss (truncated ones left out with mask_truncated)
+            m["entropy_sum"] = ent.detach()[loss_weight_mask(batch, mask_truncated)].sum()
             m["loss_total"] = loss.detach()
             for k, v in m.items():
                 acc["sums"][k] += float(v)
@@ -171,24 +145,24 @@ class Trainer:
             acc["tokens"] += item.num_tokens
             acc["time/forward_backward"] += time.perf_counter() - tf
 
-    def step(self, step: int) -> None:
-        import ray
-
+    def step(self, step: int) -> dict[str, Any]:
+        """One optimizer step over everything the batcher sends for `step`; returns the
+        step's metrics (the same on every rank, written by rank 0)."""
         from async_grpo.trainer import checkpoint
         from async_grpo.trainer.model import full_state_dict, scale_grads
 
         t, t0 = self.cfg.trainer, time.perf_counter()
-        eob, acc = self._accumulate(step)
-        if acc["passes"] != eob.num_minibatches:
+        eob, acc = self._accumulate()
+        if eob.step != step or acc["passes"] != eob.num_minibatches:
             raise RuntimeError(
-                f"rank {self.rank}: ran {acc['passes']} minibatches, batcher"
-                f" sent {eob.num_minibatches}"
+                f"rank {self.rank}: step {step} ran {acc['passes']} minibatches, the batcher"
+                f" closed step {eob.step} after {eob.num_minibatches}"
             )
         to = time.perf_counter()
         keys = sorted(acc["sums"])
         flat = torch.tensor(
             [*acc["counts"], acc["tokens"], *(acc["sums"][k] for k in keys)], dtype=torch.float64
-        )
+        )  # host tensor: the default group carries cpu tensors over gloo on every device
         dist.all_reduce(flat)
         n_tok, n_seq, all_tokens = int(flat[0]), int(flat[1]), float(flat[2])
         sums = dict(zip(keys, flat[3:].tolist(), strict=True))
@@ -208,6 +182,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        self.samples_seen += n_seq
         timings = {k: acc[k] for k in ("time/wait", "time/forward_backward")}
         timings["time/optimizer"] = time.perf_counter() - to
         done = step + 1
@@ -216,9 +191,10 @@ class Trainer:
         state = full_state_dict(self.policy) if (save or push) else {}
         if push and self.rank == 0:
             timings |= self.pusher.push(state, done)
-            ray.get(self.batcher.set_version.remote(done))
+            self.batcher.set_version(done)
         if save:
             ts = time.perf_counter()
+            counters = {"samples_seen": self.samples_seen}
             checkpoint.save(
                 self.cfg.output_dir,
                 done,
@@ -228,37 +204,37 @@ class Trainer:
                 state,
                 self.model_dir,
                 self.rank,
+                counters,
             )
             timings["time/checkpoint"] = time.perf_counter() - ts
-        if self.rank == 0:
-            elapsed = time.perf_counter() - t0
-            summary = summarize_metrics(
-                {k: v for k, v in sums.items() if k.endswith("_sum") or k == "tokens"}
-            )
-            record = {
-                "samples_seen": done
-                * self.cfg.batcher.questions_per_step
-                * self.cfg.batcher.samples_per_question,
-                "policy_version": done,
-                "loss": sums["loss_total"] / max(denom, 1),
-                "grad_norm": float(grad_norm),
-                "lr": lr,
-                "minibatches": acc["passes"],
-                "tokens_per_s": all_tokens / elapsed,
-                "time/step": elapsed,
-                "time/elapsed": time.perf_counter() - self.t_start,
-                "clip_fraction": summary.get("clip_low_frac", 0.0)
-                + summary.get("clip_high_frac", 0.0),
-                "kl": summary.get("kl_mean", 0.0),
-                "entropy": summary.get("entropy_mean", 0.0),
-                **{k: v for k, v in summary.items() if k != "tokens"},
-                **eob.stats,
-                **self.policy.attention.stats(),
-                **timings,
-            }
+        elapsed = time.perf_counter() - t0
+        summary = summarize_metrics(
+            {k: v for k, v in sums.items() if k.endswith("_sum") or k == "tokens"}
+        )
+        record = {
+            "samples_seen": self.samples_seen,
+            "policy_version": done,
+            "loss": sums.get("loss_total", 0.0) / max(denom, 1),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "minibatches": acc["passes"],
+            "tokens_per_s": all_tokens / elapsed,
+            "time/step": elapsed,
+            "time/elapsed": time.perf_counter() - self.t_start,
+            "clip_fraction": summary.get("clip_low_frac", 0.0) + summary.get("clip_high_frac", 0.0),
+            "kl": summary.get("kl_mean", 0.0),
+            "entropy": summary.get("entropy_mean", 0.0),
+            **{k: v for k, v in summary.items() if k != "tokens"},
+            **eob.stats,
+            **self.policy.attention.stats(),
+            **timings,
+        }
+        if self.writer is not None:
             self.writer.log(done, record)
+        if self.bar is not None:
             self.bar.set_postfix(reward=f"{eob.stats.get('reward/mean', 0.0):.3f}")
             self.bar.update(1)
+        return record
 
 
 def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:
@@ -273,5 +249,56 @@ def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:
         raise ConfigError(f"trainer.attention: {e}") from None
 
 
-def train(cfg: RunConfig, address: str | None, resume: str | None = None) -> None:
-    Trainer(cfg, address, resume).run()
+def build_trainer(
+    cfg: RunConfig, address: str | None, resume: str | None, verbose: bool = False
+) -> Trainer:
+    """Everything a rank needs, in order: process group, Ray, the batcher, the sharded
+    policy, the optimizer, the resumed state; rank 0 also gets the pusher and the metrics.
+    Quiet unless `verbose`: the batcher's output goes to OUTPUT_DIR/logs/batcher.log."""
+    from async_grpo.logs import log_dir, quiet_libraries
+    from async_grpo.models import resolve_model
+    from async_grpo.ray_utils import connect
+    from async_grpo.trainer import checkpoint
+    from async_grpo.trainer.batcher_link import setup_batcher
+    from async_grpo.trainer.model import build_optimizer, build_policy
+
+    t = cfg.trainer
+    if t.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group(process_group_backend("cuda"), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(process_group_backend("cpu"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(t.threads)
+    torch.manual_seed(cfg.batcher.seed)
+    if not verbose:
+        quiet_libraries()
+    connect(address, log_to_driver=verbose)
+    model_dir = str(resolve_model(cfg.model))
+    batcher = setup_batcher(
+        cfg, model_dir, rank, world, None if verbose else log_dir(cfg.output_dir)
+    )
+    attention, reason = select_trainer_attention(cfg)
+    policy = build_policy(model_dir, t, device, world, attention)
+    opt, sched = build_optimizer(policy, t)
+    trainer = Trainer(cfg, policy, opt, sched, batcher, model_dir, device)
+    trainer.attention_reason = reason
+    if resume:
+        trainer.resume(checkpoint.find_resume(cfg.output_dir, resume))
+    if rank == 0:
+        from async_grpo.metrics import MetricsWriter
+        from async_grpo.trainer.push import WeightPusher
+
+        trainer.pusher = WeightPusher(["generation"], "nccl" if t.device == "cuda" else "gloo")
+        trainer.writer = MetricsWriter(
+            cfg.output_dir, tensorboard=cfg.tensorboard, after_step=trainer.start
+        )
+    return trainer
+
+
+def train(
+    cfg: RunConfig, address: str | None, resume: str | None = None, verbose: bool = False
+) -> None:
+    build_trainer(cfg, address, resume, verbose).run()

@@ -26,6 +26,7 @@ def test_reward_rises_on_arithmetic(smollm2_dir, tmp_path):
     rewards = [m["reward/mean"] for m in metrics]
     assert len(rewards) == STEPS
     start, end = sum(rewards[:2]) / 2, sum(rewards[-4:]) / 4
-    assert end >= start + 0.08, f"reward did not rise: {[round(x, 3) for x in rewards]}"
+    # about +0.3 is seen over these 12 steps (docs/learning-curve.md): require most of it
+    assert end >= start + 0.2, f"reward did not rise: {[round(x, 3) for x in rewards]}"
     lengths = [m["output_length/mean"] for m in metrics]
     assert sum(lengths[-4:]) / 4 < sum(lengths[:2]) / 2, lengths  # answers get shorter

@@ -54,7 +54,8 @@ def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
     )
     try:
         deadline = time.monotonic() + 600
-        while not (tmp_path / "training_metrics.jsonl").exists():  # training is under way
+        metrics = tmp_path / "training_metrics.jsonl"  # created at start-up, empty
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # a step done
             assert proc.poll() is None, proc.stdout.read()[-4000:]
             assert time.monotonic() < deadline, "no training step within 600s"
             time.sleep(2)

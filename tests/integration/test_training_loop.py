@@ -82,12 +82,24 @@ def test_resume_continues_exactly(runs):
     assert resumed[3]["lr"] == full[3]["lr"]
 
 
-def test_checkpoint_loads_in_transformers(runs):
+def test_checkpoint_loads_in_transformers(runs, tiny_model_dir, tmp_path):
+    """The HF folder holds exactly the trained weights of the resumable (DCP) state, and
+    they moved away from the initial model."""
     import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
     *_, base = runs
-    model = AutoModelForCausalLM.from_pretrained(base / "cut/checkpoints/step_3/hf")
+    step = base / "cut/checkpoints/step_3"
+    model = AutoModelForCausalLM.from_pretrained(step / "hf", dtype=torch.float32)
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    dcp_to_torch_save(step / "dcp", tmp_path / "state.pt")
+    trained = torch.load(tmp_path / "state.pt")["model"]
+    moved = 0
+    for name, p in model.named_parameters():
+        assert torch.equal(p, trained[f"hf.{name}"]), name
+        moved += not torch.equal(p, initial[name])
+    assert moved >= len(initial) // 2
     out = model(torch.tensor([[1, 2, 3]])).logits
     assert torch.isfinite(out).all()
 
@@ -113,7 +125,8 @@ def test_smollm2_loop_runs(smollm2_dir, tmp_path):
 
 def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
     """`exact` never matches a Countdown answer: every group has equal rewards, so with no KL
-    the batcher sends only placeholder minibatches and the trainer's counts still agree."""
+    the batcher sends nothing (no forward/backward at all) and the trainer's counts still
+    agree with the batcher's."""
     metrics = _run(
         tiny_model_dir,
         tmp_path / "flat",
@@ -127,3 +140,24 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
         assert m["reward/mean"] == 0.0 and m["zero_advantage_fraction"] == 1.0
         assert m["skipped_samples"] == m["samples"] == 6
         assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
+        assert m["minibatches"] == 0  # a round empty on every rank is never run
+
+
+def test_async_steps_train_on_one_step_stale_samples(tiny_model_dir, tmp_path):
+    """2 questions per step, max_off_policy_steps=1, 2 ranks: step s+1 is generated while
+    step s trains, so samples one policy version old occur, never older; each step's books
+    balance (the trainer checks its counts against the batcher's and stops otherwise)."""
+    metrics = _run(
+        tiny_model_dir,
+        tmp_path / "async",
+        4,
+        "batcher.questions_per_step=2",
+        "batcher.max_off_policy_steps=1",
+        "trainer.save_every=0",
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["samples"] == 12 and m["grad_norm"] > 0 for m in metrics)
+    staleness = [m["staleness/max"] for m in metrics]
+    assert max(staleness) == 1 and metrics[1]["staleness/max"] == 1, staleness
+    assert [m["samples_seen"] for m in metrics] == [12, 24, 36, 48]
+    assert not any(k.startswith("dropped/") and v for m in metrics for k, v in m.items())

@@ -112,3 +112,17 @@ def test_non_object_line_and_missing_file(tmp_path):
         read_metrics(path)
     with pytest.raises(UserError, match="metrics file not found"):
         read_metrics(tmp_path / "nope.jsonl")
+
+
+def test_a_resumed_writer_drops_the_steps_after_its_checkpoint(tmp_path):
+    """A run that crashed after step 5 but checkpointed at 3 is resumed from 3: steps 4
+    and 5 are written again by the resumed run, so the old rows go (and a cut last line)."""
+    with MetricsWriter(tmp_path) as w:
+        for step in range(1, 6):
+            w.log(step, {"loss": float(step)})
+    with (tmp_path / METRICS_FILE).open("a") as f:
+        f.write('{"step": 6, "lo')  # killed mid-write
+    with MetricsWriter(tmp_path, after_step=3) as w:
+        w.log(4, {"loss": 40.0})
+    rows = read_metrics(tmp_path / METRICS_FILE)
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]

@@ -1,0 +1,58 @@
+"""Where the output of Ray actors goes when a run is quiet: one file per actor.
+
+`async-grpo run` (without --verbose) gives each actor it starts the environment variable
+ASYNC_GRPO_LOG_FILE=OUTPUT_DIR/logs/NAME.log (`actor_runtime_env`); the actor's constructor
+calls `to_file`, which points the process's stdout and stderr (file descriptors 1 and 2,
+so also those of its children, e.g. vLLM's engine core) at that file. The console keeps
+the start-up lines, the progress bar and the project's own errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+LOG_FILE_ENV = "ASYNC_GRPO_LOG_FILE"
+
+
+def log_dir(output_dir: str) -> Path:
+    return Path(output_dir) / "logs"
+
+
+def to_file() -> None:
+    """Send this process's fds 1 and 2 to $ASYNC_GRPO_LOG_FILE (appended); a no-op when
+    it is unset (a verbose run, or an actor started by `async-grpo worker`)."""
+    path = os.environ.get(LOG_FILE_ENV)
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def actor_runtime_env(
+    runtime_env: dict[str, Any] | None, logs: Path | None, name: str
+) -> dict[str, Any]:
+    """`runtime_env` plus, when `logs` is set, the variable that sends this actor's output
+    to `logs/NAME.log`; unchanged otherwise (the output then streams to the driver)."""
+    env = dict(runtime_env or {})
+    if logs is None:
+        return env
+    env["env_vars"] = {**env.get("env_vars", {}), LOG_FILE_ENV: str(logs / f"{name}.log")}
+    return env
+
+
+def quiet_libraries() -> None:
+    """In a quiet process: no transformers progress bars or info lines."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

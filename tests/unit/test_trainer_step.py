@@ -1,0 +1,147 @@
+"""`Trainer.step` on the real path (FSDP2 policy, `scale_grads`, placeholder passes,
+clipping, optimizer step) against the single-process whole-batch gradient, and the
+process group it needs: a group with a backend only for the trainer's device types."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _dist import one_rank_group
+from _tiny import tiny_llama
+from _trainer import LOSS, ScriptedBatcher, run_config, samples, trainer
+from transformers import AutoModelForCausalLM
+
+from async_grpo.core.logprobs import batch_logprobs
+from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask
+from async_grpo.core.packing import pack, plan_minibatches
+from async_grpo.trainer.loop import process_group_backend
+from async_grpo.trainer.model import full_state_dict
+
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_llama(seed=4).save_pretrained(path)
+    return str(path)
+
+
+def _reference(model_dir: str) -> tuple[dict[str, torch.Tensor], float]:
+    """The whole batch in one forward/backward, normalised by its own counts, no FSDP:
+    the gradients, and the mean entropy over the tokens that carry loss."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    batch = pack(samples())
+    tokens, count = loss_counts(batch, LOSS.mask_truncated)
+    logp, ent = batch_logprobs(model, batch, LOSS.temperature, 1024, True)
+    loss, _ = build_loss(LOSS, 64)(logp, batch, tokens, count, ent, 1)
+    loss.backward()
+    entropy = ent.detach()[loss_weight_mask(batch, LOSS.mask_truncated)].mean().item()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, entropy
+
+
+def _step_delta(model_dir: str, out: str, rank: int, world: int) -> None:
+    """Run step 0 on this rank; rank 0 saves before - after (= the gradient, SGD at lr 1)."""
+    cfg = run_config(out)
+    tr = trainer(model_dir, cfg, torch.device("cpu"), ScriptedBatcher(samples(), rank, world))
+    before = {k: v.clone() for k, v in full_state_dict(tr.policy).items()}  # 1 rank: views
+    record = tr.step(0)
+    after = full_state_dict(tr.policy)
+    if rank == 0:
+        delta = {k: before[k] - after[k] for k in before}
+        torch.save({"delta": delta, "record": record}, Path(out) / "step.pt")
+
+
+def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        process_group_backend("cpu"),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        _step_delta(model_dir, out, rank, 2)
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_delta_is_gradient(out: Path, model_dir: str) -> dict:
+    saved = torch.load(out / "step.pt")
+    ref, entropy = _reference(model_dir)
+    # truncated samples carry no loss (mask_truncated): nor do they count in the entropy
+    assert saved["record"]["entropy"] == pytest.approx(entropy, rel=1e-5)
+    compared = 0
+    for name, g in ref.items():
+        d = saved["delta"][name]
+        scale = g.abs().max().item()
+        assert scale > 0, name
+        assert (d - g).abs().max().item() <= 1e-4 * scale + 1e-7, name
+        compared += 1
+    assert compared == len(ref) >= 10
+    return saved["record"]
+
+
+def test_plan_has_a_placeholder_pass():
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples()]
+    plan = plan_minibatches(lengths, 40, 2)
+    assert len(plan[0]) == len(plan[1]) >= 2
+    assert [] in plan[0] + plan[1], "the 2-rank test should cover an empty minibatch"
+
+
+def test_two_rank_step_equals_whole_batch_gradient(model_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, model_dir, str(tmp_path)), nprocs=2, join=True)
+    record = _assert_delta_is_gradient(tmp_path, model_dir)
+    _, count = loss_counts(pack(samples()), LOSS.mask_truncated)
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples()]
+    assert record["samples_seen"] == count < len(samples())  # truncated ones left out
+    assert record["minibatches"] == len(plan_minibatches(lengths, 40, 2)[0])
+
+
+def test_step_issues_collectives_only_on_the_groups_devices(model_dir, tmp_path, monkeypatch):
+    """Every collective of a step (the trainer's counts, FSDP's gathers and reductions)
+    carries a tensor of a device type the default group has a backend for. Here the
+    group is `cpu:gloo` only, as a CUDA trainer's is `cpu:gloo,cuda:nccl`."""
+    seen: set[str] = set()
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def spy(*args, _real=real, **kwargs):
+            for a in [*args, *kwargs.values()]:
+                for t in a if isinstance(a, list) else [a]:
+                    if isinstance(t, torch.Tensor):
+                        seen.add(t.device.type)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, spy)
+    backend = process_group_backend("cpu")
+    assert backend == "cpu:gloo"
+    with one_rank_group(backend):
+        _step_delta(model_dir, str(tmp_path), 0, 1)
+    allowed = {part.split(":")[0] for part in backend.split(",")}
+    assert seen and seen <= allowed
+    _assert_delta_is_gradient(tmp_path, model_dir)
+
+
+def test_cuda_group_carries_host_tensors():
+    """The counts all-reduce is a host tensor: the CUDA trainer's group must map cpu too."""
+    devices = dict(part.split(":") for part in process_group_backend("cuda").split(","))
+    assert devices == {"cpu": "gloo", "cuda": "nccl"}
