@@ -4,11 +4,17 @@ The Hugging Face model sits inside `Policy`, whose forward returns per-token log
 (decoder hidden states + chunked LM head). Sharding `Policy` as the FSDP2 root keeps the
 LM head weight gathered during that forward; each decoder layer is its own FSDP unit, and
 with activation checkpointing each layer's forward is recomputed in the backward.
+
+The model is built on the meta device and sharded before any weight exists; each rank
+then reads only its own rows of every tensor from the safetensors files, so no rank ever
+holds the whole model (peak memory per rank falls with the rank count).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,14 +80,16 @@ def build_policy(
     weights, optimizer state and gradient reduction stay in `dtype`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     attention = attention or DenseAttention()
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, cfg.dtype), attn_implementation=attention.hf_implementation
-    )
-    hf.config.use_cache = False
-    policy = Policy(hf, cfg.loss.temperature, cfg.logprob_chunk_size, attention).to(device)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, cfg.dtype), attn_implementation=attention.hf_implementation
+        )
+    policy = Policy(hf, cfg.loss.temperature, cfg.logprob_chunk_size, attention)
     requested = cfg.compute_dtype or cfg.dtype
     if requested == "auto" and cfg.dtype != "float32":  # never compute wider than the masters
         requested = cfg.dtype
@@ -97,7 +105,73 @@ def build_policy(
     for layer in hf.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
+    policy.to_empty(device=device)
+    load_shards(policy, Path(model_dir))
     return policy
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (one file, or an indexed set)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{model_dir}: no model.safetensors(.index.json) to load")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_shards(policy: Policy, model_dir: Path) -> None:
+    """Fill the sharded (materialised, uninitialised) policy from `model_dir`: each rank
+    reads only the rows of its own dim-0 shard of every parameter (`get_slice`), then
+    recomputes the non-persistent buffers (rotary tables) from the config."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Shard
+
+    files = _weight_files(model_dir)
+    params = dict(policy.named_parameters())  # tied weights appear once
+    missing = [n for n in params if n.removeprefix(PREFIX) not in files]
+    tied = policy.hf.config.tie_word_embeddings
+    if tied and missing == [f"{PREFIX}lm_head.weight"]:
+        missing = []  # the LM head is the (already loaded) embedding
+    if missing:
+        raise KeyError(f"{model_dir}: no weights for {missing[:3]}")
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        key = name.removeprefix(PREFIX)
+        if key in files:
+            by_file.setdefault(files[key], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    param = params[name]
+                    rows = f.get_slice(name.removeprefix(PREFIX))
+                    if isinstance(param, DTensor):
+                        if tuple(param.placements) != (Shard(0),):
+                            raise ValueError(
+                                f"{name}: expected a dim-0 shard, got {param.placements}"
+                            )
+                        local = param.to_local()  # [rows of this rank, ...]
+                        start = _shard_start(param.shape[0], param.device_mesh)
+                        local.copy_(rows[start : start + local.shape[0]])
+                    else:
+                        param.copy_(rows[:])
+        for module in policy.hf.modules():
+            if getattr(module, "_non_persistent_buffers_set", None):
+                policy.hf._init_weights(module)  # transformers recomputes rotary tables here
+    if tied:
+        policy.hf.tie_weights()
+
+
+def _shard_start(rows: int, mesh: Any) -> int:
+    """First row of this rank's dim-0 shard (torch.chunk sizes: ceil(rows / ranks))."""
+    per_rank = -(-rows // mesh.size())
+    return min(mesh.get_local_rank() * per_rank, rows)
 
 
 def build_optimizer(policy: Policy, cfg: TrainerConfig) -> tuple[Any, Any]:
