@@ -145,3 +145,26 @@ def test_cuda_group_carries_host_tensors():
     """The counts all-reduce is a host tensor: the CUDA trainer's group must map cpu too."""
     devices = dict(part.split(":") for part in process_group_backend("cuda").split(","))
     assert devices == {"cpu": "gloo", "cuda": "nccl"}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sharded_build_loads_exactly_the_saved_model(tmp_path, tied):
+    """Built on meta, then each rank's rows read from the file: the policy's log-probs
+    equal those of the model transformers loads whole (tied LM head included)."""
+    from async_grpo.config import TrainerConfig
+    from async_grpo.trainer.model import build_policy
+
+    tiny_llama(seed=6, tie_word_embeddings=tied).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    model.config.use_cache = False
+    batch = pack(samples())
+    with torch.no_grad():
+        want, _ = batch_logprobs(model, batch, 1.0, 1024, False)
+    with one_rank_group("cpu:gloo"):
+        policy = build_policy(
+            str(tmp_path), TrainerConfig(compute_dtype="float32"), torch.device("cpu"), 1
+        )
+        assert (policy.hf.lm_head.weight is policy.hf.model.embed_tokens.weight) == tied
+        with torch.no_grad():
+            got, _ = policy(batch, False)
+    assert torch.equal(got, want)
