@@ -114,7 +114,10 @@ def measure(model_dir: str, world: int, path: str) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(world, port, model_dir, path, out), nprocs=world, join=True)
-        ranks = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(out, f"{r}.json")) as f:
+                ranks.append(json.load(f))
     return {
         "path": path,
         "ranks": world,

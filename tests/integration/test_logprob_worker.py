@@ -72,7 +72,9 @@ def test_a_sample_over_the_budget_is_scored_alone(worker, tiny_model_dir):
     refs = [worker.logprobs.remote([short]), worker.logprobs.remote([long_pair, short])]
     first, (long_lp, short_lp) = ray.get(refs, timeout=120)
     assert len(long_lp) == 10
-    assert max(abs(a - b) for a, b in zip(long_lp, _reference(model, *long_pair))) < 1e-4
+    assert (
+        max(abs(a - b) for a, b in zip(long_lp, _reference(model, *long_pair), strict=True)) < 1e-4
+    )
     assert first[0] == pytest.approx(short_lp, abs=1e-5)
 
 
