@@ -12,10 +12,31 @@ def test_configs_exist():
     assert any(p.name == "quickstart.yaml" for p in CONFIGS)
 
 
+def _leaves(raw, prefix=()):
+    for key, value in raw.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
+def test_every_shipped_config_loads_with_the_values_it_states(path):
+    """Every value the YAML file sets arrives in the config unchanged (none dropped,
+    renamed or coerced to something else), and the config passes validation."""
+    import yaml
+
     cfg = load_config(path)
     assert isinstance(cfg, RunConfig)
+    leaves = list(_leaves(yaml.safe_load(path.read_text())))
+    assert leaves, f"{path.name} sets nothing"
+    for keys, value in leaves:
+        got = cfg
+        for k in keys:
+            got = getattr(got, k)
+        if isinstance(got, tuple):
+            got = list(got)
+        assert got == value, f"{path.name}: {'.'.join(keys)} is {got!r}, the file says {value!r}"
 
 
 def test_overrides_are_typed():
