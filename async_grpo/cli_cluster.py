@@ -148,13 +148,20 @@ def run_status(args: argparse.Namespace) -> int:
 
 def run_stop(args: argparse.Namespace) -> int:
     import ray
+    from ray.exceptions import RaySystemError
 
     _connect(args.address)
     n = 0
-    for registry in _registries().values():
-        handles = ray.get(registry.handles.remote(), timeout=30)
+    for pool, registry in _registries().items():
+        try:
+            handles = ray.get(registry.handles.remote(), timeout=30)
+        except RaySystemError as e:  # a handle of an actor whose job ended cannot be read
+            print(f"pool {pool!r}: cannot read its workers' handles ({e}); skipped", flush=True)
+            continue
         refs = [h.stop.remote(30.0) for h in handles.values()]
-        ray.wait(refs, num_returns=len(refs), timeout=60)
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=60)
+        if late:
+            print(f"pool {pool!r}: {len(late)} worker(s) did not drain within 60s", flush=True)
         ray.get([registry.deregister.remote(wid) for wid in handles], timeout=30)
         n += len(refs)
     print(f"asked {n} worker(s) to drain and stop")

@@ -125,6 +125,8 @@ class GenerationWorker(RegisteredWorker):
         )
         version = self.version
         self.in_flight += n
+        # a caller that gives up cancels this call (ray.cancel): the CancelledError raised
+        # here makes vLLM abort the request, so no ghost work keeps the engine busy
         try:
             final = None
             async for out in self.engine.generate(
@@ -146,6 +148,11 @@ class GenerationWorker(RegisteredWorker):
             )
             for o in final.outputs
         ]
+
+    async def ping(self) -> dict[str, Any]:
+        """The base fields, plus the requests the engine still runs (aborts included)."""
+        running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
+        return await super().ping() | {"engine_requests": running}
 
     async def init_weight_sync(
         self,

@@ -6,6 +6,7 @@ the classes without Ray and resources are never hard-coded in class decorators.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
@@ -139,11 +140,21 @@ def start_logprob_workers(
 
 
 def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
-    """Drain then kill: the two-phase stop (no orphan engines)."""
+    """Drain then kill: the two-phase stop (no orphan engines). Every registry forgets
+    them, also the workers that do not deregister themselves (verifiers)."""
     import ray
 
     refs = [w.stop.remote(drain_timeout_s) for w in workers]
     ray.wait(refs, num_returns=len(refs), timeout=drain_timeout_s + 30)
+    registries = []
+    for pool in ("generation", "logprob", "verifier"):
+        with contextlib.suppress(ValueError):
+            registries.append(ray.get_actor(registry_name(pool), namespace=NAMESPACE))
+    forgotten = [r.deregister_handles.remote(workers) for r in registries]
+    if forgotten:
+        _, late = ray.wait(forgotten, num_returns=len(forgotten), timeout=30)
+        if late:
+            print(f"{len(late)} registries did not deregister stopped workers in 30s", flush=True)
     for w in workers:
         ray.kill(w)
 

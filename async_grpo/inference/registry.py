@@ -61,6 +61,7 @@ class LeastLoadedRegistry:
         self._changed = asyncio.Condition()
         self._publishing = asyncio.Lock()
         self._weights: tuple[int, list[Any]] | None = None  # (version, [ObjectRef])
+        self._prober: asyncio.Task | None = None
         self.dropped: dict[str, str] = {}  # worker id -> reason
         self.reclaimed = {"expired": 0, "unbacked": 0}  # leases taken back (a metric)
 
@@ -92,6 +93,8 @@ class LeastLoadedRegistry:
             handle, capacity, version, node, time.monotonic(), heartbeats, load
         )
         self.dropped.pop(worker_id, None)
+        if not heartbeats and self._prober is None:
+            self._prober = asyncio.get_running_loop().create_task(self._probe_silent())
         await self._notify()
         if self._weights is not None and self._weights[0] > version:
             return self._weights
@@ -125,6 +128,15 @@ class LeastLoadedRegistry:
     async def deregister(self, worker_id: str) -> None:
         self._forget(worker_id)
         await self._notify()
+
+    async def deregister_handles(self, handles: list[Any]) -> list[str]:
+        """Deregister the workers behind these actor handles (a launcher stopping what it
+        started: verifier workers do not deregister themselves); returns their ids."""
+        gone = [wid for wid, w in self._workers.items() if any(w.handle == h for h in handles)]
+        for wid in gone:
+            self._forget(wid)
+        await self._notify()
+        return gone
 
     async def drop(self, worker_id: str, reason: str) -> None:
         """Remove a worker a caller found dead; its leases vanish with it."""
@@ -215,6 +227,25 @@ class LeastLoadedRegistry:
 
     async def handles(self) -> dict[str, Any]:
         return {wid: w.handle for wid, w in self._workers.items()}
+
+    async def _probe_silent(self) -> None:
+        """Workers without heartbeats (verifiers) are pinged every heartbeat_timeout_s / 3;
+        a dead one is dropped, so a run that crashed leaves no dead entry behind. Plain
+        handles (tests without Ray) are not probed."""
+        from ray.exceptions import RayActorError
+
+        while True:
+            await asyncio.sleep(self.heartbeat_timeout_s / 3)
+            for wid, w in list(self._workers.items()):
+                ready = getattr(w.handle, "__ray_ready__", None)
+                if w.heartbeats or ready is None:
+                    continue
+                try:
+                    await asyncio.wait_for(ready.remote(), timeout=self.heartbeat_timeout_s)
+                except RayActorError as e:
+                    await self.drop(wid, f"actor died ({type(e).__name__})")
+                except TimeoutError:  # alive but busy: probed again next round
+                    pass
 
     def _end_lease(self, lease_id: str, reclaimed: str | None) -> None:
         le = self._leases.pop(lease_id)

@@ -9,6 +9,7 @@ import tempfile
 import time
 
 import pytest
+from _cli import REPO, run_command
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "async_grpo.cli"]
@@ -147,3 +148,97 @@ def test_no_cluster_is_one_line_exit_2():
     )
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("async-grpo: error: no Ray cluster at")
+
+
+def _status_rows(address, env, pool):
+    r = subprocess.run(
+        [*CLI, "status", "--address", address], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [row.split() for row in r.stdout.splitlines() if row.startswith(pool)]
+
+
+def _generation_worker(address, env, model_dir):
+    return subprocess.Popen(
+        [
+            *CLI,
+            "worker",
+            "--mode",
+            "generation",
+            "--model",
+            str(model_dir),
+            "--address",
+            address,
+            "--config",
+            str(REPO / "configs" / "quickstart.yaml"),
+            "generation.max_new_tokens=16",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_second_run_on_a_live_cluster_then_a_late_worker(ray_head, tiny_model_dir, tmp_path):
+    """Two `async-grpo run --address` in a row on a cluster whose generation worker was
+    started with `async-grpo worker`, then one more worker joins. Each run leaves the
+    registry holding its last weights after its trainer exited: the second run's own
+    worker and the late worker load them (they died with OwnerDiedError when the trainer
+    owned them), and no lease outlives a run."""
+    address, env = ray_head
+    workers = [_generation_worker(address, env, tiny_model_dir)]
+    try:
+        _wait_for_line(workers[0], "1 generation worker(s) registered", 600)
+        for name in ("first", "second"):
+            t = time.monotonic()
+            r = subprocess.run(
+                [
+                    *run_command(
+                        "quickstart.yaml",
+                        f"model={tiny_model_dir}",
+                        f"output_dir={tmp_path / name}",
+                        "trainer.max_steps=2",
+                        "batcher.questions_per_step=1",
+                        "batcher.samples_per_question=4",
+                        "generation.max_new_tokens=16",
+                    ),
+                    "--address",
+                    address,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            assert r.returncode == 0, f"{name} run: {(r.stdout + r.stderr)[-6000:]}"
+            print(f"{name} run: {time.monotonic() - t:.0f}s")
+            steps = (tmp_path / name / "training_metrics.jsonl").read_text().splitlines()
+            assert len(steps) == 2
+            # only the `async-grpo worker` one is left, idle, on the last pushed version;
+            # the run's verifiers are gone from their registry too
+            rows = _status_rows(address, env, "generation")
+            assert [(row[2], row[3]) for row in rows] == [("0/64", "1")], rows
+            assert _status_rows(address, env, "verifier") == []
+        workers.append(_generation_worker(address, env, tiny_model_dir))
+        _wait_for_line(workers[1], "1 generation worker(s) registered", 600)
+        rows = _status_rows(address, env, "generation")
+        assert len({row[1] for row in rows}) == 2, rows  # two ids
+        assert all((row[2], row[3]) == ("0/64", "1") for row in rows), rows  # late one loaded 1
+        stop = subprocess.run(
+            [*CLI, "stop", "--address", address],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "asked 2 worker(s) to drain and stop" in stop.stdout, stop.stdout + stop.stderr
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.terminate()  # the worker command stops its workers on SIGTERM
+            try:
+                w.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                w.kill()

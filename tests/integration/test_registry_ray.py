@@ -227,3 +227,23 @@ def test_lease_of_a_dead_caller_is_reclaimed(worker):
     t = time.monotonic()
     _wait_for("the dead caller's lease back", lambda: _load() == 0, 30)
     print(f"reclaimed after {time.monotonic() - t:.1f}s (grace {GRACE_S}s)")
+
+
+def test_dead_worker_without_heartbeats_is_dropped(cluster):
+    """A verifier of a run that crashed (no heartbeats, never deregistered) is found dead by
+    the registry's probe and dropped, so no caller is leased a dead actor."""
+    import ray
+
+    from async_grpo.inference.launch import ensure_registry
+
+    class Silent:
+        def ping(self):
+            return {}
+
+    registry = ensure_registry("verifier")
+    actor = ray.remote(Silent).remote()
+    ray.get(registry.register.remote("verify-x-0", actor, 8, 0, "", False), timeout=60)
+    _kill(actor)
+    t = time.monotonic()
+    _wait_for("the dead verifier dropped", lambda: not ray.get(registry.status.remote()), 40)
+    print(f"dropped after {time.monotonic() - t:.1f}s")

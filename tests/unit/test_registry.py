@@ -169,6 +169,20 @@ def test_duplicate_worker_id_from_another_actor_is_refused():
     asyncio.run(run())
 
 
+def test_launcher_deregisters_the_workers_it_stopped_by_handle():
+    """Verifier workers never deregister themselves (and have no heartbeat to expire)."""
+
+    async def run():
+        reg = LeastLoadedRegistry("verifier")
+        await reg.register("v1", "actor-1", 8, 0, heartbeats=False)
+        await reg.register("v2", "actor-2", 8, 0, heartbeats=False)
+        await reg.lease(2, timeout_s=1)
+        assert await reg.deregister_handles(["actor-1", "actor-9"]) == ["v1"]
+        assert list(await reg.handles()) == ["v2"]
+
+    asyncio.run(run())
+
+
 def test_worker_ids_are_unique_within_one_second():
     a, b = worker_ids("gen", 2), worker_ids("gen", 2)
     assert len(set(a + b)) == 4
