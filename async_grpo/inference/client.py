@@ -81,6 +81,7 @@ class PoolClient:
         self.max_retries = max_retries
         self.retries = 0  # requests moved to another worker after a death (a metric)
         self.cancelled = 0  # calls cancelled in the worker after a timeout or cancel (a metric)
+        self.release_failures = 0  # releases the registry did not take (a metric)
 
     @property
     def registry(self) -> Any:
@@ -99,23 +100,48 @@ class PoolClient:
             granted = self._registry.lease.remote(
                 n, self.lease_timeout_s, self.call_timeout_s + LEASE_SLACK_S, lease_id
             )
-            worker_id = "?"
             try:
-                _, worker_id, handle = await granted
-                return await self._call_worker(handle, worker_id, method, args, kwargs)
-            except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
-                last = e
-                self.retries += 1
-                await self._registry.drop.remote(
-                    worker_id, f"died during {method}: {type(e).__name__}"
+                _, worker_id, handle = await self._ask_registry(
+                    granted, f"a lease of {n} sequences", self.lease_timeout_s
                 )
+                try:
+                    return await self._call_worker(handle, worker_id, method, args, kwargs)
+                except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+                    last = e
+                    self.retries += 1
+                    reason = f"died during {method}: {type(e).__name__}"
+                    await self._ask_registry(self._registry.drop.remote(worker_id, reason), "drop")
             finally:
                 # submitted at once, so it also happens when this task is cancelled here;
                 # a lease released before its grant is never granted
-                await self._registry.release.remote(lease_id)
+                await self._release(lease_id)
         raise PoolUnavailable(
             f"pool {self.pool!r}: {method} failed on {self.max_retries + 1} workers; last: {last}"
         )
+
+    async def _ask_registry(self, ref: Any, what: str, wait_s: float = 0.0) -> Any:
+        """Await a registry call: bounded, and a dead registry is named as such."""
+        from ray.exceptions import RayActorError
+
+        limit = wait_s + REGISTRY_TIMEOUT_S
+        try:
+            return await asyncio.wait_for(ref, timeout=limit)
+        except TimeoutError:
+            raise PoolUnavailable(
+                f"pool {self.pool!r}: its registry did not answer {what} within {limit:.0f}s"
+            ) from None
+        except RayActorError as e:
+            raise PoolUnavailable(
+                f"pool {self.pool!r}: its registry is gone ({type(e).__name__}) during {what}"
+            ) from None
+
+    async def _release(self, lease_id: str) -> None:
+        """Release, never raising: an unreleased lease expires in the registry anyway."""
+        try:
+            await self._ask_registry(self._registry.release.remote(lease_id), "a release")
+        except PoolUnavailable as e:
+            self.release_failures += 1
+            print(f"{e} (the lease expires by itself)", flush=True)
 
     async def _call_worker(
         self, handle: Any, worker_id: str, method: str, args: tuple, kwargs: dict

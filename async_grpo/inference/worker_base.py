@@ -9,6 +9,7 @@ from typing import Any
 
 HEARTBEAT_S = 2.0
 FETCH_WEIGHTS_TIMEOUT_S = 600.0  # fetching the published weights from the object store
+REGISTRY_CALL_TIMEOUT_S = 60.0  # register / heartbeat answered by the pool's registry
 
 
 class RegisteredWorker:
@@ -40,11 +41,26 @@ class RegisteredWorker:
 
     async def _join(self, me: Any) -> None:
         """Register (again) and load the weights the registry says are newer than ours."""
-        latest = await self.registry.register.remote(
-            self.worker_id, me, self.capacity, self.version, socket.gethostname()
+        latest = await self._ask_registry(
+            self.registry.register.remote(
+                self.worker_id, me, self.capacity, self.version, socket.gethostname()
+            ),
+            "register",
         )
         if latest is not None and await self.load_published(latest):
-            await self.registry.heartbeat.remote(self.worker_id, self.version, self.in_flight)
+            await self._ask_registry(
+                self.registry.heartbeat.remote(self.worker_id, self.version, self.in_flight),
+                "heartbeat",
+            )
+
+    async def _ask_registry(self, ref: Any, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(ref, timeout=REGISTRY_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.worker_id}: the {self.pool} registry did not answer {what}"
+                f" within {REGISTRY_CALL_TIMEOUT_S:.0f}s"
+            ) from None
 
     async def load_published(self, latest: tuple[int, list[Any]]) -> bool:
         """Load `(version, [ObjectRef])` from the registry. If the object cannot be fetched
@@ -71,8 +87,9 @@ class RegisteredWorker:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                known = await self.registry.heartbeat.remote(
-                    self.worker_id, self.version, self.in_flight
+                known = await self._ask_registry(
+                    self.registry.heartbeat.remote(self.worker_id, self.version, self.in_flight),
+                    "heartbeat",
                 )
                 if not known:  # dropped (e.g. a slow heartbeat): join again
                     await self._join(me)
