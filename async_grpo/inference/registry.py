@@ -205,8 +205,10 @@ class LeastLoadedRegistry:
         """Keep the latest weights (a one-element list holding an ObjectRef) for late joiners.
 
         Under Ray the object is copied into one this actor owns: a Ray object dies with the
-        process that put it, and the publishing trainer exits long before this registry."""
+        process that put it, and the publishing trainer exits long before this registry.
+        A worker registering during the copy gets no weights; it joins the next push."""
         async with self._publishing:
+            self._weights = None  # free the old copy first: at most two in the store at once
             self._weights = (version, await _owned_copy(ref))
 
     async def status(self) -> list[WorkerStatus]:
