@@ -89,11 +89,16 @@ class PoolClient:
             self._registry = get_registry(self.pool)
         return self._registry
 
+    async def connect(self) -> None:
+        """Find the registry now (async code that wants a missing pool to fail at start,
+        not at its first call): PoolUnavailable after REGISTRY_TIMEOUT_S."""
+        if self._registry is None:
+            self._registry = await get_registry_async(self.pool)
+
     async def call(self, n: int, method: str, *args: Any, **kwargs: Any) -> Any:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-        if self._registry is None:
-            self._registry = await get_registry_async(self.pool)
+        await self.connect()
         last: Exception | None = None
         for _ in range(self.max_retries + 1):
             lease_id = uuid.uuid4().hex

@@ -247,3 +247,28 @@ def test_dead_worker_without_heartbeats_is_dropped(cluster):
     t = time.monotonic()
     _wait_for("the dead verifier dropped", lambda: not ray.get(registry.status.remote()), 40)
     print(f"dropped after {time.monotonic() - t:.1f}s")
+
+
+def test_async_registry_wait_leaves_the_event_loop_free(cluster):
+    """Workers and the batcher look registries up from async code: the wait must not block
+    the loop, and it ends with a line naming the pool."""
+    from async_grpo.inference.client import get_registry_async
+    from async_grpo.inference.types import PoolUnavailable
+
+    ticks = []
+
+    async def run():
+        async def tick():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.1)
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            with pytest.raises(PoolUnavailable, match="no registry for pool 'nowhere' after 2s"):
+                await get_registry_async("nowhere", timeout_s=2)
+        finally:
+            ticker.cancel()
+
+    asyncio.run(run())
+    assert len(ticks) >= 10  # the loop kept running through the 2 s wait
