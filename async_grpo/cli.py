@@ -55,7 +55,7 @@ def _train(args: argparse.Namespace) -> int:
     from async_grpo.trainer.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    train(cfg, args.address or cfg.ray_address, args.resume)
+    train(cfg, args.address or cfg.ray_address, args.resume, args.verbose)
     return 0
 
 
@@ -67,7 +67,8 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
-    return run_local(cfg, args.config, args.overrides, args.address or cfg.ray_address, args.resume)
+    address = args.address or cfg.ray_address
+    return run_local(cfg, args.config, args.overrides, address, args.resume, args.verbose)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +81,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         const="latest",
         default=None,
         help="resume from the latest checkpoint of output_dir, or from a step dir",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="stream every worker's output to the console (default: OUTPUT_DIR/logs/)",
     )
 
 

@@ -83,7 +83,12 @@ class LocalHead:
 
 
 def torchrun_command(
-    cfg: RunConfig, config_path: str | None, overrides: list[str], address: str, resume: str | None
+    cfg: RunConfig,
+    config_path: str | None,
+    overrides: list[str],
+    address: str,
+    resume: str | None,
+    verbose: bool = False,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -100,6 +105,8 @@ def torchrun_command(
     cmd += [*overrides, "--address", address]
     if resume:
         cmd += ["--resume", resume]
+    if verbose:
+        cmd.append("--verbose")
     return cmd
 
 
@@ -109,12 +116,15 @@ def run_local(
     overrides: list[str],
     address: str | None,
     resume: str | None,
+    verbose: bool = False,
 ) -> int:
-    """The one-command run; returns the trainer's exit code."""
+    """The one-command run; returns the trainer's exit code. Quiet unless `verbose`: the
+    workers write to OUTPUT_DIR/logs/, whose path is printed if the run fails."""
     import ray
 
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.inference import launch
+    from async_grpo.logs import log_dir, quiet_libraries
     from async_grpo.models import resolve_model
     from async_grpo.ray_utils import connect
 
@@ -123,14 +133,20 @@ def run_local(
     head: LocalHead | None = None
     workers: list[Any] = []
     trainer: subprocess.Popen | None = None
+    logs = None if verbose else log_dir(cfg.output_dir)
+    if logs is not None:
+        quiet_libraries()
+    code = 1
     try:
         if address is None:
             head = LocalHead(num_cpus=16, object_store_bytes=1 << 30)
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)
-        connect(address)
+        connect(address, log_to_driver=verbose)
         device = cfg.trainer.device
-        workers += launch.start_verifier_workers(cfg.verifier, cfg.verifier.num_workers)
+        workers += launch.start_verifier_workers(
+            cfg.verifier, cfg.verifier.num_workers, log_dir=logs
+        )
         if cfg.trainer.loss.kl_coef > 0:
             workers += launch.start_logprob_workers(
                 model_dir,
@@ -138,9 +154,10 @@ def run_local(
                 cfg.logprob.num_workers,
                 device,
                 cfg.trainer.loss.temperature,
+                log_dir=logs,
             )
         workers += launch.start_generation_workers(
-            model_dir, cfg.generation, cfg.generation.num_workers, device
+            model_dir, cfg.generation, cfg.generation.num_workers, device, log_dir=logs
         )
         print(
             f"pools up: {len(workers)} workers; starting {cfg.trainer.num_ranks} trainer rank(s)",
@@ -153,15 +170,19 @@ def run_local(
             "RAY_AUTH_MODE": "disabled",
         }
         trainer = subprocess.Popen(
-            torchrun_command(cfg, config_path, overrides, address, resume),
+            torchrun_command(cfg, config_path, overrides, address, resume, verbose),
             env=env,
             start_new_session=True,
         )
-        return trainer.wait()
+        code = trainer.wait()
+        return code
     except KeyboardInterrupt:
         print("interrupted: stopping the trainer, the pools and Ray", flush=True)
-        return 130
+        code = 130
+        return code
     finally:
+        if code not in (0, 130) and logs is not None and logs.is_dir():
+            print(f"the run failed; the workers' logs are in {logs}/", flush=True)
         if trainer is not None and trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGTERM)
             try:

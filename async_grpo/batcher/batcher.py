@@ -42,6 +42,9 @@ class ExperienceBatcher:
         num_ranks: int,
         clients: dict[str, Any] | None = None,
     ) -> None:
+        from async_grpo.logs import to_file
+
+        to_file()  # a quiet run: this actor's output to OUTPUT_DIR/logs/batcher.log
         if any(p.input_token_ids is None for p in prompts):
             raise ValueError("ExperienceBatcher needs tokenized prompts (input_token_ids)")
         self.cfg, self.prompts, self.num_ranks = cfg, prompts, num_ranks
@@ -69,6 +72,8 @@ class ExperienceBatcher:
         if self._clients is None:
             pools = ["generation", "verifier"] + (["logprob"] if self._kl else [])
             self._clients = {p: PoolClient(p) for p in pools}
+            # a pool with no registry fails the start, not each group as a counted drop
+            await asyncio.gather(*(c.connect() for c in self._clients.values()))
         self._version_changed = asyncio.Condition()
         loop = asyncio.get_running_loop()
         self._tasks = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from pathlib import Path
 from typing import Any
 
 from async_grpo.config import GenerationConfig, LogprobConfig, VerifierConfig
@@ -67,16 +68,26 @@ def _start_pool(
     detached: bool,
     timeout_s: float,
     args: Any,
+    log_dir: Path | None = None,
 ) -> list[Any]:
     """`count` actors of `cls` (its constructor takes `args(worker_id)`), started and
-    registered in `pool`'s registry; waits for all of them."""
+    registered in `pool`'s registry; waits for all of them. With `log_dir`, each writes
+    its output to `log_dir/WORKER_ID.log` instead of streaming it to the driver."""
     import ray
+
+    from async_grpo.logs import actor_runtime_env
 
     ensure_registry(pool)
     if detached:
         opts = {**opts, "lifetime": "detached"}
-    actor = ray.remote(cls).options(max_concurrency=1000, **opts)
-    workers = [actor.remote(*args(wid)) for wid in worker_ids(prefix, count)]
+    actor = ray.remote(cls)
+    env = opts.get("runtime_env")
+    workers = [
+        actor.options(
+            max_concurrency=1000, **{**opts, "runtime_env": actor_runtime_env(env, log_dir, wid)}
+        ).remote(*args(wid))
+        for wid in worker_ids(prefix, count)
+    ]
     _wait_started([w.start.remote() for w in workers], f"{pool} workers", timeout_s)
     return workers
 
@@ -88,6 +99,7 @@ def start_generation_workers(
     device: str = "cpu",
     detached: bool = False,
     timeout_s: float = START_TIMEOUT_S,
+    log_dir: Path | None = None,
 ) -> list[Any]:
     """Start `count` vLLM workers on this cluster and register them; returns their handles."""
     from async_grpo.inference.generation import GenerationWorker, vllm_env
@@ -107,6 +119,7 @@ def start_generation_workers(
         detached,
         timeout_s,
         lambda wid: (model_dir, cfg, wid, device),
+        log_dir,
     )
 
 
@@ -118,6 +131,7 @@ def start_logprob_workers(
     temperature: float = 1.0,
     detached: bool = False,
     timeout_s: float = START_TIMEOUT_S,
+    log_dir: Path | None = None,
 ) -> list[Any]:
     """Start `count` transformers log-prob workers and register them."""
     from async_grpo.inference.logprob import LogprobWorker
@@ -136,6 +150,7 @@ def start_logprob_workers(
         detached,
         timeout_s,
         lambda wid: (model_dir, cfg, wid, device, temperature),
+        log_dir,
     )
 
 
@@ -160,7 +175,11 @@ def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
 
 
 def start_verifier_workers(
-    cfg: VerifierConfig, count: int, detached: bool = False, timeout_s: float = 120.0
+    cfg: VerifierConfig,
+    count: int,
+    detached: bool = False,
+    timeout_s: float = 120.0,
+    log_dir: Path | None = None,
 ) -> list[Any]:
     """Start `count` verifier actors and register them in the `verifier` registry.
 
@@ -171,19 +190,24 @@ def start_verifier_workers(
 
     import ray
 
+    from async_grpo.logs import actor_runtime_env
     from async_grpo.rewards.pool import VerifierWorker
 
     registry = ensure_registry("verifier")
     opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
     if detached:
         opts["lifetime"] = "detached"
-    actor = ray.remote(VerifierWorker).options(**opts)
-    workers = [actor.remote(cfg) for _ in range(count)]
+    actor = ray.remote(VerifierWorker)
+    ids = worker_ids("verify", count)
+    workers = [
+        actor.options(**opts, runtime_env=actor_runtime_env(None, log_dir, wid)).remote(cfg)
+        for wid in ids
+    ]
     _wait_started([w.stats.remote() for w in workers], "verifier workers", timeout_s)
     ray.get(
         [
             registry.register.remote(wid, w, VERIFIER_CAPACITY, 0, socket.gethostname(), False)
-            for wid, w in zip(worker_ids("verify", count), workers, strict=True)
+            for wid, w in zip(ids, workers, strict=True)
         ],
         timeout=timeout_s,
     )

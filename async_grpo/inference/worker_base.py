@@ -18,6 +18,9 @@ class RegisteredWorker:
     pool = "base"
 
     def __init__(self, worker_id: str, capacity: int) -> None:
+        from async_grpo.logs import to_file
+
+        to_file()  # a quiet run: this actor's output (and its engine's) to its own log file
         self.worker_id = worker_id
         self.capacity = capacity
         self.version = 0

@@ -24,6 +24,9 @@ class VerifierWorker:
     in a sandbox subprocess killed after `cfg.timeout_s`. Usable with or without Ray."""
 
     def __init__(self, cfg: VerifierConfig, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
+        from async_grpo.logs import to_file
+
+        to_file()  # a quiet run: this actor's output to its own log file
         scorer = CombinedReward(
             rewards={name: get_reward(name) for name in cfg.rewards},
             rule=cfg.combine,

@@ -189,12 +189,16 @@ def test_killing_a_worker_mid_stream_loses_no_request(workers, prompts, smollm2_
             )
             for i, p in enumerate(prompts[:32])
         ]
-        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 120
+        while (await workers[1].ping.remote())["in_flight"] == 0:  # kill it mid-request
+            assert time.monotonic() < deadline, "worker 1 never got a request"
+            await asyncio.sleep(0.05)
         ray.kill(workers[1])
         return await asyncio.gather(*tasks)
 
     results = asyncio.run(run())
     assert len(results) == 32 and all(len(r) == 4 for r in results)
+    assert client.retries >= 1  # the requests it held were retried on the other worker
     status = ray.get(client.registry.status.remote())
     assert [s.worker_id for s in status] == [ray.get(workers[0].ping.remote())["worker_id"]]
 

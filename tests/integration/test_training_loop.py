@@ -42,6 +42,7 @@ def _run(tiny_model_dir, out, steps, *extra):
     env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    (out / "console.txt").write_text(r.stdout + r.stderr)
     return [json.loads(line) for line in (out / "training_metrics.jsonl").read_text().splitlines()]
 
 
@@ -71,6 +72,20 @@ def test_three_steps_train_and_push(runs):
     assert params["world_size"] == 2 and params["trainer"]["num_ranks"] == 2
     hf = base / "cut" / "checkpoints" / "step_3" / "hf"
     assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+
+
+def test_console_is_quiet_and_worker_logs_are_files(runs):
+    """Without --verbose the console has the start-up lines, the precision line and the
+    progress bar; vLLM, transformers and the batcher write to output_dir/logs/."""
+    *_, base = runs
+    console = (base / "full" / "console.txt").read_text()
+    lines = [x for x in console.replace("\r", "\n").splitlines() if x.strip()]
+    noisy = [x for x in lines if "steps:" not in x]
+    assert len(noisy) <= 12, "\n".join(noisy)
+    assert not any("vLLM" in x or "WARNING" in x or "INFO" in x for x in noisy), noisy
+    logs = sorted(p.name.split("-")[0] for p in (base / "full" / "logs").glob("*.log"))
+    assert logs == ["batcher.log", "gen", "lp", "verify"], logs
+    assert "vLLM" in "".join(p.read_text() for p in (base / "full" / "logs").glob("gen-*"))
 
 
 def test_resume_continues_exactly(runs):
