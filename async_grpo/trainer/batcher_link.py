@@ -33,8 +33,16 @@ class RemoteBatcher:
         ref = self.handle.get.remote(self.rank, self.timeout_s)
         return ray.get(ref, timeout=self.timeout_s + 60)
 
-    def start(self, step: int) -> None:
-        self._call("start", step)
+    def start(self, step: int, preloaded: dict[int, Any] | None = None) -> None:
+        self._call("start", step, preloaded)
+
+    def wait_generated(self) -> None:
+        """Until every step the current version allows is generated (before a push)."""
+        self._call("wait_generated", self.timeout_s, timeout_s=self.timeout_s + 60)
+
+    def pending(self, from_step: int) -> dict[int, Any]:
+        """The generated, untrained groups of steps >= `from_step` (for a checkpoint)."""
+        return self._call("pending", from_step)
 
     def set_version(self, version: int) -> None:
         self._call("set_version", version)
@@ -42,14 +50,16 @@ class RemoteBatcher:
     def stop(self) -> None:
         self._call("stop")
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _call(self, method: str, *args: Any, timeout_s: float = 300.0) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError
 
         try:
-            ray.get(getattr(self.handle, method).remote(*args), timeout=300)
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout_s)
         except GetTimeoutError:
-            raise TimeoutError(f"the batcher did not answer {method} within 300s") from None
+            raise TimeoutError(
+                f"the batcher did not answer {method} within {timeout_s:.0f}s"
+            ) from None
 
 
 def setup_batcher(

@@ -1,15 +1,18 @@
 """Checkpoints: an HF folder (loadable by transformers and vLLM) + exact-resume state.
 
-Layout: OUTPUT_DIR/checkpoints/step_N/{hf/, dcp/, trainer_state.json}, and
-OUTPUT_DIR/checkpoints/latest naming the newest complete one. `trainer_state.json` is
-written last, so a checkpoint without it is incomplete and never resumed from. The
-sampler needs no state of its own: step N draws prompts N*q .. N*q+q-1.
+Layout: OUTPUT_DIR/checkpoints/step_N/{hf/, dcp/, pending_groups.json,
+trainer_state.json}, and OUTPUT_DIR/checkpoints/latest naming the newest complete one.
+`trainer_state.json` is written last, so a checkpoint without it is incomplete and never
+resumed from. The sampler needs no state of its own: step N draws prompts N*q .. N*q+q-1.
+`pending_groups.json` holds the groups already generated for steps >= N (asynchronous runs
+generate ahead), which the resumed run trains on instead of generating them again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from async_grpo.errors import UserError
 
 STATE_FILE = "trainer_state.json"
+PENDING_FILE = "pending_groups.json"
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -34,6 +38,7 @@ def save(
     tokenizer_dir: str,
     rank: int,
     counters: dict[str, int] | None = None,
+    pending: dict[int, Any] | None = None,
 ) -> Path:
     """Collective: every rank writes its shard; rank 0 writes the HF folder and the state
     (step, scheduler and the trainer's running `counters`)."""
@@ -48,6 +53,12 @@ def save(
 
         policy.hf.save_pretrained(path / "hf", state_dict=full_state)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "hf")
+        if pending:
+            groups = {
+                str(s): [None if g is None else [asdict(x) for x in g] for g in slots]
+                for s, slots in pending.items()
+            }
+            (path / PENDING_FILE).write_text(json.dumps(groups))
         state = {"step": step, "policy_version": step, "scheduler": sched.state_dict()}
         state |= counters or {}
         tmp = path / (STATE_FILE + ".tmp")
@@ -87,3 +98,17 @@ def load(path: Path, policy: Any, opt: Any, sched: Any) -> dict[str, Any]:
     info = json.loads((path / STATE_FILE).read_text())
     sched.load_state_dict(info["scheduler"])
     return info
+
+
+def load_pending(path: Path) -> dict[int, list[Any]]:
+    """The groups a checkpoint kept for the steps after it ({} if it kept none)."""
+    from async_grpo.batcher.types import ScoredSample
+
+    file = Path(path) / PENDING_FILE
+    if not file.is_file():
+        return {}
+    raw = json.loads(file.read_text())
+    return {
+        int(s): [None if g is None else [ScoredSample(**x) for x in g] for g in slots]
+        for s, slots in raw.items()
+    }

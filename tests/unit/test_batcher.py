@@ -284,3 +284,45 @@ def test_async_mode_generates_ahead_but_within_the_bound(k):
     ahead, n = _run(main())
     assert ahead == {0}
     assert n == 4 * min(k + 1, 3)  # max_steps is 3
+
+
+def test_fixed_lag_pending_groups_replay_on_resume():
+    """With k=1, steps 0 and 1 start on version 0; `wait_generated` returns once both are
+    generated; `pending(1)` is step 1's groups, and a batcher resumed at step 1 with them
+    sends exactly those samples without generating step 1 again."""
+
+    async def first_run():
+        b, gen = _make(_cfg(max_off_policy_steps=1))
+        await b.start(0)
+        await b.set_version(0)
+        await asyncio.gather(_drain(b, 0), _drain(b, 1))  # step 0 trained
+        await b.wait_generated(30.0)
+        pending = await b.pending(1)
+        sent = await asyncio.gather(_drain(b, 0), _drain(b, 1))  # step 1, uninterrupted
+        await b.stop()
+        return pending, sent, len(gen.calls)
+
+    async def resumed(pending):
+        b, gen = _make(_cfg(max_off_policy_steps=1))
+        await b.start(1, pending)
+        await b.set_version(1)
+        sent = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.wait_generated(30.0)
+        await b.stop()
+        return sent, gen.calls
+
+    pending, sent, calls = _run(first_run())
+    assert list(pending) == [1] and len(pending[1]) == 4 and calls == 8
+    again, new_calls = _run(resumed(pending))
+    assert new_calls and all(v == 1 for _, v in new_calls)  # only step 2 is generated
+
+    def samples(per_rank):
+        return sorted(
+            (tuple(s.prompt_ids), tuple(s.completion_ids), s.advantage)
+            for items in per_rank
+            for mb in items[:-1]
+            for s in mb.samples
+        )
+
+    assert samples(again) == samples(sent)
+    assert again[0][-1].global_tokens == sent[0][-1].global_tokens
