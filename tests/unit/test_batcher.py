@@ -106,16 +106,22 @@ def _make(cfg, gen_kw=None, verifier_kw=None):
     return b, gen
 
 
-def test_two_ranks_get_equal_rounds_and_balanced_books():
+def _first_step(cfg, gen_kw=None, verifier_kw=None):
+    """What both ranks receive for step 0 (version 0), then the batcher is stopped."""
+
     async def main():
-        b, _ = _make(_cfg())
+        b, _ = _make(cfg, gen_kw, verifier_kw)
         await b.start(0)
         await b.set_version(0)
         per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
         await b.stop()
         return per_rank
 
-    per_rank = _run(main())
+    return _run(main())
+
+
+def test_two_ranks_get_equal_rounds_and_balanced_books():
+    per_rank = _first_step(_cfg())
     eobs = [items[-1] for items in per_rank]
     mbs = [[i for i in items if isinstance(i, Minibatch)] for items in per_rank]
     assert eobs[0] == eobs[1] and eobs[0].step == 0
@@ -136,18 +142,10 @@ def test_two_ranks_get_equal_rounds_and_balanced_books():
 
 
 def test_equal_reward_groups_are_counted_not_sent_and_truncated_ones_masked():
-    async def main():
-        cfg = _cfg()
-        cfg.trainer.loss.mask_truncated = True
-        # step 0 draws some 4 prompts; make every prompt's group equal except by length 3
-        b, _ = _make(cfg, {"truncate_every": 2}, {"equal_prompt_lens": [4, 5, 6, 7, 8]})
-        await b.start(0)
-        await b.set_version(0)
-        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
-        await b.stop()
-        return per_rank
-
-    per_rank = _run(main())
+    cfg = _cfg()
+    cfg.trainer.loss.mask_truncated = True
+    # step 0 draws 4 prompts; every prompt's group gets equal rewards except the 3-token one
+    per_rank = _first_step(cfg, {"truncate_every": 2}, {"equal_prompt_lens": [4, 5, 6, 7, 8]})
     eob = per_rank[0][-1]
     sent = [s for items in per_rank for mb in items[:-1] for s in mb.samples]
     skipped = eob.stats["skipped_samples"]
@@ -185,31 +183,15 @@ def test_staleness_gate_and_stale_groups_regenerated():
 
 
 def test_failed_attempts_are_retried_and_counted_in_their_step():
-    async def main():
-        fails = [PoolUnavailable("all busy"), TimeoutError("slow")]
-        b, gen = _make(_cfg(), {"failures": fails})
-        await b.start(0)
-        await b.set_version(0)
-        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
-        await b.stop()
-        return per_rank
-
-    per_rank = _run(main())
+    fails = [PoolUnavailable("all busy"), TimeoutError("slow")]
+    per_rank = _first_step(_cfg(), {"failures": fails})
     stats = per_rank[0][-1].stats
     assert stats["dropped/group_error"] == 2.0
     assert stats["samples"] == 16.0  # both groups came back on a later attempt
 
 
 def test_a_bad_request_drops_only_its_group():
-    async def main():
-        b, _ = _make(_cfg(), {"failures": [RequestError("prompt too long")]})
-        await b.start(0)
-        await b.set_version(0)
-        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
-        await b.stop()
-        return per_rank
-
-    stats = _run(main())[0][-1].stats
+    stats = _first_step(_cfg(), {"failures": [RequestError("prompt too long")]})[0][-1].stats
     assert stats["dropped/bad_request"] == 1.0 and stats["samples"] == 12.0
 
 
