@@ -119,6 +119,7 @@ class TrainerConfig:
     compute_dtype: ComputeDtype | None = "auto"  # FSDP2 fwd/bwd; auto: bf16 if native; None: dtype
     attention: Attention = "auto"  # auto: flash varlen / flex on CUDA, dense sdpa on CPU
     activation_checkpointing: bool | None = None  # per decoder layer; None: on for CUDA only
+    defer_grad_sync: bool = True
     device: Literal["cpu", "cuda"] = "cpu"
     save_every: int = 0  # 0 = only at the end
     push_every: int = 1  # push weights to the workers every k optimizer steps

@@ -70,6 +70,9 @@ DESCRIPTIONS: dict[str, str] = {
     "trainer.num_ranks": "trainer processes that `async-grpo run` starts; under your own"
     " torchrun the world size decides",
     "trainer.lr": "AdamW learning rate (after warm-up)",
+    "trainer.defer_grad_sync": "reduce gradients across ranks once per step, in the backward"
+    " of its last minibatch, instead of after every minibatch: fewer reductions, while each"
+    " rank holds unsharded gradients during the step (off: sharded gradients throughout)",
     "trainer.warmup_steps": "linear warm-up steps, then the rate stays constant",
     "trainer.max_steps": "optimizer steps of the run; a resumed run continues up to it",
     "trainer.weight_decay": "AdamW weight decay",

@@ -307,7 +307,9 @@ class ExperienceBatcher:
             plan = plan_minibatches([self._tokens(u) for u in buffer], budget, self.num_ranks)
             for k in range(len(plan[0])):
                 await self._send_round(
-                    step, [_flat(buffer, plan[r][k]) for r in range(self.num_ranks)]
+                    step,
+                    [_flat(buffer, plan[r][k]) for r in range(self.num_ranks)],
+                    last=k == len(plan[0]) - 1,
                 )
                 passes += 1
             del self._ready[step]
@@ -351,12 +353,14 @@ class ExperienceBatcher:
         """Row tokens of `samples` once packed (prompts shared within a group when on)."""
         return packed_tokens(samples, self.cfg.batcher.share_prompts)
 
-    async def _send_round(self, step: int, bins: list[list[ScoredSample]]) -> None:
+    async def _send_round(
+        self, step: int, bins: list[list[ScoredSample]], last: bool = False
+    ) -> None:
         for rank, samples in enumerate(bins):
             tokens = self._tokens(samples)
             self.counters["packed_tokens"] += tokens
             self.counters["packed_budget"] += self.cfg.batcher.max_tokens_per_gpu
-            mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens)
+            mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens, last)
             await self.channel.put(rank, mb, max(tokens, 1), timeout_s=3600)
 
     def _loss_counts(self, samples: list[ScoredSample]) -> tuple[int, int]:

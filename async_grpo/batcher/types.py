@@ -44,11 +44,14 @@ class ScoredSample:
 @dataclass
 class Minibatch:
     """What one rank runs in one forward/backward. `samples` may be empty (a padding pass
-    that keeps the ranks' collectives in step); their tokens total <= max_tokens_per_gpu."""
+    that keeps the ranks' collectives in step); their tokens total <= max_tokens_per_gpu.
+    `last`: the step's final round (the same on every rank), after which gradients are
+    reduced; a round streamed before the batch was complete is never marked."""
 
     step: int
     samples: list[PackInput]
     num_tokens: int
+    last: bool = False
 
 
 @dataclass

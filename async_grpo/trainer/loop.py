@@ -124,15 +124,23 @@ class Trainer:
         }
         mask_truncated = self.cfg.trainer.loss.mask_truncated
         use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
+        defer = self.cfg.trainer.defer_grad_sync and self.world > 1
+        unreduced = False  # a backward ran without reducing its gradients
         while True:
             tw = time.perf_counter()
             item = self.batcher.next()
             acc["time/wait"] += time.perf_counter() - tw
             if isinstance(item, EndOfBatch):
+                if unreduced:  # the last round was streamed, so not marked: reduce now
+                    self._reduce_pass()
+                    acc["reduce_passes"] = 1
                 return item, acc
             tf = time.perf_counter()
             batch = pack(item.samples, share_prompts=self.cfg.batcher.share_prompts)
             batch = self.policy.attention.prepare(batch).to(self.device)
+            if defer:  # the same on every rank: rounds and their `last` are
+                self.policy.set_requires_gradient_sync(item.last)
+                unreduced = not item.last
             logp, ent = self.policy(batch, True)
             loss, m = self.loss_fn(logp, batch, 1, 1, ent if use_entropy else None, 1)
             loss.backward()
@@ -147,6 +155,14 @@ class Trainer:
             acc["passes"] += 1
             acc["tokens"] += item.num_tokens
             acc["time/forward_backward"] += time.perf_counter() - tf
+
+    def _reduce_pass(self) -> None:
+        """A zero-loss pass of one padding token with gradient sync on: its backward
+        reduces the gradients the step's unsynced backwards accumulated."""
+        batch = self.policy.attention.prepare(pack([])).to(self.device)
+        self.policy.set_requires_gradient_sync(True)
+        logp, _ = self.policy(batch, False)
+        (logp.sum() * 0.0).backward()
 
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step over everything the batcher sends for `step`; returns the
@@ -228,6 +244,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "lr": lr,
             "minibatches": acc["passes"],
+            "reduce_passes": acc.get("reduce_passes", 0),
             "tokens_per_s": all_tokens / elapsed,
             "time/step": elapsed,
             "time/elapsed": time.perf_counter() - self.t_start,

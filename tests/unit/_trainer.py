@@ -62,13 +62,21 @@ class ScriptedBatcher:
     """What the batcher would send one rank for step 0: its planned minibatches, then the
     step's EndOfBatch with the global counts."""
 
-    def __init__(self, all_samples: list[PackInput], rank: int, world: int) -> None:
+    def __init__(
+        self, all_samples: list[PackInput], rank: int, world: int, mark_last: bool = True
+    ) -> None:
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in all_samples]
         plan = plan_minibatches(lengths, BUDGET, world)
         tokens, count = loss_counts(pack(all_samples), LOSS.mask_truncated)
+        depth = len(plan[rank])
         self.items: list[object] = [
-            Minibatch(0, [all_samples[i] for i in mb], sum(lengths[i] for i in mb))
-            for mb in plan[rank]
+            Minibatch(
+                0,
+                [all_samples[i] for i in mb],
+                sum(lengths[i] for i in mb),
+                last=mark_last and k == depth - 1,
+            )
+            for k, mb in enumerate(plan[rank])
         ]
         self.items.append(EndOfBatch(0, tokens, count, len(plan[rank]), {"reward/mean": 0.5}))
         self.versions: list[int] = []

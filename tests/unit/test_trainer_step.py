@@ -5,6 +5,7 @@ process group it needs: a group with a backend only for the trainer's device typ
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from pathlib import Path
 
@@ -54,10 +55,13 @@ def _reference(model_dir: str) -> tuple[dict[str, torch.Tensor], float]:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, entropy
 
 
-def _step_delta(model_dir: str, out: str, rank: int, world: int) -> None:
+def _step_delta(
+    model_dir: str, out: str, rank: int, world: int, defer: bool = True, mark_last: bool = True
+) -> None:
     """Run step 0 on this rank; rank 0 saves before - after (= the gradient, SGD at lr 1)."""
-    cfg = run_config(out)
-    tr = trainer(model_dir, cfg, torch.device("cpu"), ScriptedBatcher(samples(), rank, world))
+    cfg = run_config(out, defer_grad_sync=defer)
+    batcher = ScriptedBatcher(samples(), rank, world, mark_last)
+    tr = trainer(model_dir, cfg, torch.device("cpu"), batcher)
     before = {k: v.clone() for k, v in full_state_dict(tr.policy).items()}  # 1 rank: views
     record = tr.step(0)
     after = full_state_dict(tr.policy)
@@ -66,7 +70,7 @@ def _step_delta(model_dir: str, out: str, rank: int, world: int) -> None:
         torch.save({"delta": delta, "record": record}, Path(out) / "step.pt")
 
 
-def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
+def _rank(rank: int, port: int, model_dir: str, out: str, defer: bool, mark_last: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         process_group_backend("cpu"),
@@ -76,9 +80,11 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        _step_delta(model_dir, out, rank, 2)
+        _step_delta(model_dir, out, rank, 2, defer, mark_last)
+        dist.barrier()  # both ranks are done with every collective
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort a normal interpreter exit after the teardown
 
 
 def _assert_delta_is_gradient(out: Path, model_dir: str) -> dict:
@@ -104,12 +110,22 @@ def test_plan_has_a_placeholder_pass():
     assert [] in plan[0] + plan[1], "the 2-rank test should cover an empty minibatch"
 
 
-def test_two_rank_step_equals_whole_batch_gradient(model_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("defer", "mark_last", "reduce_passes"),
+    [(False, True, 0), (True, True, 0), (True, False, 1)],
+    ids=["sync-every-minibatch", "sync-on-last", "sync-by-extra-pass"],
+)
+def test_two_rank_step_equals_whole_batch_gradient(
+    model_dir, tmp_path, defer, mark_last, reduce_passes
+):
+    """Gradients reduced after every minibatch, only in the last one's backward, or (the
+    last round was streamed, so not marked) by a one-token pass: the same exact gradient."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, model_dir, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(port, model_dir, str(tmp_path), defer, mark_last), nprocs=2, join=True)
     record = _assert_delta_is_gradient(tmp_path, model_dir)
+    assert record["reduce_passes"] == reduce_passes
     _, count = loss_counts(pack(samples()), LOSS.mask_truncated)
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples()]
     assert record["samples_seen"] == count < len(samples())  # truncated ones left out
