@@ -7,6 +7,7 @@ transformers and vLLM load.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -125,3 +126,66 @@ def make_tiny_model(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def in_dtype(model_dir: str | Path, dtype: str) -> Path:
+    """`model_dir` with its floating-point weights stored in `dtype`: the folder itself when
+    they already are, else a copy made once in the cache. An engine that computes in
+    `dtype` then loads its weights as they are, instead of casting (and warning about)
+    every tensor; the values are those the cast would give."""
+    import hashlib
+
+    src = Path(model_dir).resolve()
+    files = sorted(src.glob("*.safetensors"))
+    want = _SAFETENSORS_DTYPES.get(dtype)
+    if not files or want is None or _stored_dtype(files[0]) in (want, None):
+        return src
+    stamp = {"source": str(src), "mtime": max(f.stat().st_mtime for f in files), "dtype": dtype}
+    key = hashlib.sha1(str(src).encode()).hexdigest()[:10]
+    out = cache_dir() / "engine-weights" / f"{src.name}-{key}.{dtype}"
+    marker = out / _DONE_MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _copy_in_dtype(src, tmp, dtype)
+        (tmp / _DONE_MARKER).write_text(json.dumps(stamp))
+        if out.exists():  # a stale copy
+            shutil.rmtree(out, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another worker's copy (same bytes) came first
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _stored_dtype(file: Path) -> str | None:
+    """The safetensors dtype of the file's first floating-point tensor (None: none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+            stored = f.get_slice(name).get_dtype()
+            if stored in _SAFETENSORS_DTYPES.values():
+                return stored
+    return None
+
+
+def _copy_in_dtype(src: Path, dst: Path, dtype: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for item in src.iterdir():
+        if item.suffix == ".safetensors":
+            tensors = load_file(str(item))
+            cast = {
+                k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                for k, v in tensors.items()
+            }
+            save_file(cast, str(dst / item.name), metadata={"format": "pt"})
+        elif item.is_file() and item.name != _DONE_MARKER:
+            shutil.copy2(item, dst / item.name)

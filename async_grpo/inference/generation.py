@@ -73,14 +73,17 @@ class GenerationWorker(RegisteredWorker):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from async_grpo.models import in_dtype
         from async_grpo.precision import resolve_dtype
 
         c = self.cfg
         precision = resolve_dtype(c.dtype, self.device)
         self.dtype = precision.dtype
         print(f"{self.worker_id}: vLLM computes in {precision.describe()}", flush=True)
+        # the weights stored in the engine's dtype: loaded as they are, no cast per tensor
+        model = await asyncio.to_thread(in_dtype, self.model_dir, precision.dtype)
         args = AsyncEngineArgs(
-            model=self.model_dir,
+            model=str(model),
             dtype=precision.dtype,
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_concurrent_seqs,
