@@ -100,41 +100,21 @@ def test_worker_status_stop(ray_head, tiny_model_dir):
     )
     try:
         _wait_for_line(worker, "2 logprob worker(s) registered")
-        status = subprocess.run(
-            [*CLI, "status", "--address", address],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        status = _cli("status", address, env)
         assert status.returncode == 0, status.stderr
         rows = [r for r in status.stdout.splitlines() if r.startswith("logprob")]
         assert len(rows) == 2 and all(" 0/256 " in r for r in rows), status.stdout
         _wait_for_line(verifier, "1 verifier worker(s) registered")
-        status = subprocess.run(
-            [*CLI, "status", "--address", address],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        status = _cli("status", address, env)
         assert sum(r.startswith("verifier") for r in status.stdout.splitlines()) == 1
-        stop = subprocess.run(
-            [*CLI, "stop", "--address", address],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        stop = _cli("stop", address, env)
         assert "asked 3 worker(s) to drain and stop" in stop.stdout, stop.stderr
         assert worker.wait(timeout=60) == 0
         assert verifier.wait(timeout=60) == 0
     finally:
         worker.kill()
         verifier.kill()
-    after = subprocess.run(
-        [*CLI, "status", "--address", address], env=env, capture_output=True, text=True, timeout=120
-    )
+    after = _cli("status", address, env)
     assert after.stdout.strip() == "no workers registered", after.stdout
 
 
@@ -150,10 +130,15 @@ def test_no_cluster_is_one_line_exit_2():
     assert r.stderr.strip().splitlines()[-1].startswith("async-grpo: error: no Ray cluster at")
 
 
-def _status_rows(address, env, pool):
-    r = subprocess.run(
-        [*CLI, "status", "--address", address], env=env, capture_output=True, text=True, timeout=120
+def _cli(command, address, env):
+    """`async-grpo status|stop --address ADDRESS`, output captured."""
+    return subprocess.run(
+        [*CLI, command, "--address", address], env=env, capture_output=True, text=True, timeout=120
     )
+
+
+def _status_rows(address, env, pool):
+    r = _cli("status", address, env)
     assert r.returncode == 0, r.stderr[-2000:]
     return [row.split() for row in r.stdout.splitlines() if row.startswith(pool)]
 
@@ -226,13 +211,7 @@ def test_second_run_on_a_live_cluster_then_a_late_worker(ray_head, tiny_model_di
         rows = _status_rows(address, env, "generation")
         assert len({row[1] for row in rows}) == 2, rows  # two ids
         assert all((row[2], row[3]) == ("0/64", "1") for row in rows), rows  # late one loaded 1
-        stop = subprocess.run(
-            [*CLI, "stop", "--address", address],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        stop = _cli("stop", address, env)
         assert "asked 2 worker(s) to drain and stop" in stop.stdout, stop.stdout + stop.stderr
     finally:
         for w in workers:
