@@ -1,0 +1,42 @@
+"""Quiet runs: an actor's environment names its log file, and `to_file` sends the
+process's stdout and stderr there, those of its children included (vLLM's engine core)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from async_grpo.logs import LOG_FILE_ENV, actor_runtime_env
+
+
+def test_runtime_env_names_the_log_file_only_when_quiet(tmp_path):
+    base = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+    assert actor_runtime_env(base, None, "gen-1") == base  # verbose: unchanged
+    env = actor_runtime_env(base, tmp_path / "logs", "gen-1")
+    assert env["env_vars"] == {
+        "OMP_NUM_THREADS": "1",
+        LOG_FILE_ENV: str(tmp_path / "logs/gen-1.log"),
+    }
+    assert base == {"env_vars": {"OMP_NUM_THREADS": "1"}}  # the caller's dict is not changed
+
+
+def test_to_file_captures_the_process_and_its_children(tmp_path):
+    log = tmp_path / "logs" / "w.log"
+    code = (
+        "import subprocess, sys; from async_grpo.logs import to_file; to_file();"
+        " print('from the actor'); print('an error', file=sys.stderr); sys.stdout.flush();"
+        " subprocess.run([sys.executable, '-c', 'print(\"from its child\")'], check=True)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, LOG_FILE_ENV: str(log)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == r.stderr == ""  # nothing reached the console
+    text = Path(log).read_text()
+    assert "from the actor" in text and "an error" in text and "from its child" in text
