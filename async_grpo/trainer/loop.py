@@ -117,6 +117,7 @@ class Trainer:
         acc: dict[str, Any] = {
             "sums": defaultdict(float),
             "passes": 0,
+            "reduce_passes": 0,
             "tokens": 0,
             "counts": [0, 0],
             "time/wait": 0.0,
@@ -144,8 +145,8 @@ class Trainer:
             logp, ent = self.policy(batch, True)
             loss, m = self.loss_fn(logp, batch, 1, 1, ent if use_entropy else None, 1)
             loss.backward()
-            # over the tokens that carry loss (truncated ones left out with mask_truncated)
-            m["entropy_sum"] = ent.detach()[loss_weight_mask(batch, mask_truncated)].sum()
+            if not use_entropy:  # the loss sums it when it uses it; the metric always
+                m["entropy_sum"] = ent.detach()[loss_weight_mask(batch, mask_truncated)].sum()
             m["loss_total"] = loss.detach()
             for k, v in m.items():
                 acc["sums"][k] += float(v)
@@ -244,7 +245,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "lr": lr,
             "minibatches": acc["passes"],
-            "reduce_passes": acc.get("reduce_passes", 0),
+            "reduce_passes": acc["reduce_passes"],
             "tokens_per_s": all_tokens / elapsed,
             "time/step": elapsed,
             "time/elapsed": time.perf_counter() - self.t_start,
