@@ -6,11 +6,12 @@ A `UserError` anywhere below becomes one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from async_grpo.cli_cluster import add_cluster_parsers
-from async_grpo.errors import UserError
+from async_grpo.errors import EXIT_FILE_ENV, UserError
 from async_grpo.plot_cli import add_plot_parser
 
 
@@ -63,10 +64,11 @@ def _run(args: argparse.Namespace) -> int:
     import signal
 
     from async_grpo.config import load_config
-    from async_grpo.run import run_local
+    from async_grpo.run import run_local, stop_on_signal
 
     cfg = load_config(args.config, args.overrides)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop as on Ctrl-C (run.Stopped)
+        signal.signal(sig, stop_on_signal)
     address = args.address or cfg.ray_address
     return run_local(cfg, args.config, args.overrides, address, args.resume, args.verbose)
 
@@ -148,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:
         print(f"async-grpo: error: {e}", file=sys.stderr)
+        exit_file = os.environ.get(EXIT_FILE_ENV)  # set by `async-grpo run` for its ranks
+        if exit_file:  # torchrun itself exits 1 whatever its ranks' codes were
+            Path(exit_file).write_text(f"{e.exit_code}\n")
         return e.exit_code
 
 

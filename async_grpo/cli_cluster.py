@@ -137,11 +137,13 @@ def run_status(args: argparse.Namespace) -> int:
     if not rows:
         print("no workers registered")
         return 0
-    print(f"{'pool':<11} {'worker':<22} {'load':>9} {'version':>7}  node  heartbeat")
+    print(
+        f"{'pool':<11} {'worker':<22} {'load':>9} {'version':>7} {'weights by':<10}  node  heartbeat"
+    )
     for r in rows:
         print(
             f"{r.pool:<11} {r.worker_id:<22} {r.load:>4}/{r.capacity:<4} {r.version:>7}"
-            f"  {r.node}  {r.seconds_since_heartbeat}s ago"
+            f" {r.transport or '-':<10}  {r.node}  {r.seconds_since_heartbeat}s ago"
         )
     return 0
 

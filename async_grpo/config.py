@@ -24,6 +24,7 @@ ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 # "auto": flash-attn varlen on CUDA when installed (unshared rows), else flex_attention on
 # CUDA, dense SDPA on CPU (core/attention/)
 Attention = Literal["auto", "sdpa", "flex", "flash"]
+WeightTransport = Literal["auto", "broadcast", "shm", "cuda_ipc"]  # see async_grpo/transports
 
 
 class ConfigError(UserError):
@@ -47,6 +48,7 @@ class GenerationConfig:
     tensor_parallel_size: int = 1
     threads: int = 1  # CPU threads per engine
     seed: int = 0
+    weight_transport: Literal["auto", "broadcast"] = "auto"
 
 
 @dataclass
@@ -70,6 +72,7 @@ class VerifierConfig:
     weights: dict[str, float] = field(default_factory=dict)
     timeout_s: float = 5.0
     max_concurrency: int = 4  # scoring subprocesses per worker
+    max_error_fraction: float = 1.0  # a step with this share of samples failing to score stops
 
 
 @dataclass
@@ -123,6 +126,7 @@ class TrainerConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     save_every: int = 0  # 0 = only at the end
     push_every: int = 1  # push weights to the workers every k optimizer steps
+    weight_transport: WeightTransport = "auto"
     logprob_chunk_size: int = 1024
     threads: int = 1
     loss: LossConfig = field(default_factory=LossConfig)
@@ -137,6 +141,7 @@ class RunConfig:
     output_dir: str = "outputs/run"
     ray_address: str | None = None  # None: start a local Ray instance
     tensorboard: bool = False  # metrics also to output_dir/tensorboard (needs tensorboard)
+    max_worker_restarts: int = 3  # dead pool workers `run` replaces over a run, then it stops
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     logprob: LogprobConfig = field(default_factory=LogprobConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
@@ -254,6 +259,8 @@ def validate(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
+    if cfg.max_worker_restarts < 0:
+        raise ConfigError(f"max_worker_restarts: must be >= 0, got {cfg.max_worker_restarts}")
     if b.max_off_policy_steps < 0:
         raise ConfigError(
             f"batcher.max_off_policy_steps: must be >= 0, got {b.max_off_policy_steps}"
@@ -278,6 +285,10 @@ def validate(cfg: RunConfig) -> None:
             f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
             f" above batcher.max_off_policy_steps={b.max_off_policy_steps}; the run would stall"
         )
+    if not 0 < v.max_error_fraction <= 1:
+        raise ConfigError(
+            f"verifier.max_error_fraction: must be in (0, 1], got {v.max_error_fraction}"
+        )
     if v.combine == "weighted":
         missing = [r for r in v.rewards if r not in v.weights]
         if missing:
@@ -288,6 +299,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.attention: {t.attention!r} cannot train on CPU"
             " (flash-attn needs CUDA; PyTorch has no flex_attention backward on CPU); use auto"
+        )
+    if (t.weight_transport, t.device) in (("cuda_ipc", "cpu"), ("shm", "cuda")):
+        raise ConfigError(
+            f"trainer.weight_transport: {t.weight_transport!r} cannot carry weights from a"
+            f" trainer on {t.device}; use auto or broadcast"
         )
     if t.device == "cpu" and cfg.logprob.attention == "flash":
         raise ConfigError("logprob.attention: 'flash' needs CUDA; use auto, sdpa or flex")

@@ -8,3 +8,8 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+# `async-grpo run` gives its torchrun ranks a file to write a user error's exit code to:
+# torchrun exits 1 whatever its ranks' codes were
+EXIT_FILE_ENV = "ASYNC_GRPO_EXIT_FILE"

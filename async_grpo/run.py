@@ -15,11 +15,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from async_grpo.config import RunConfig
+from async_grpo.errors import EXIT_FILE_ENV
 
 HEAD_START_TIMEOUT_S = 120.0
 
@@ -28,6 +30,78 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: the run stops as on Ctrl-C, exit code 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signal(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+# Started beside the head: holds the read end of a pipe from `run`. When `run` ends in any
+# way (SIGKILL included) the pipe closes, and it kills the processes `run` named with all
+# their descendants (torchrun starts its ranks in sessions of their own), then their groups.
+WATCHDOG = """
+import os, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+roots = set()
+for line in sys.stdin:
+    if line.strip() == "done":  # `run` stopped them itself: kill nothing (pids get reused)
+        sys.exit(0)
+    roots.add(int(line))
+children = {}
+for entry in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{entry}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    except (ValueError, OSError, IndexError):
+        pass
+doomed, todo = set(), list(roots)
+while todo:
+    pid = todo.pop()
+    if pid not in doomed:
+        doomed.add(pid)
+        todo += children.get(pid, [])
+for pid in doomed:
+    for kill, target in ((os.kill, pid), (os.killpg, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+"""
+
+
+class Watchdog:
+    """Kills the named processes, their descendants and their groups once this process is
+    gone, however it ended."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WATCHDOG],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C in the terminal does not reach it
+        )
+
+    def guard(self, pgid: int) -> None:
+        self.proc.stdin.write(f"{pgid}\n".encode())
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        """This process is stopping the groups itself; the watchdog exits."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.write(b"done\n")
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 class LocalHead:
@@ -124,6 +198,7 @@ def run_local(
 
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.inference import launch
+    from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
     from async_grpo.logs import log_dir, quiet_libraries
     from async_grpo.models import resolve_model
     from async_grpo.ray_utils import connect
@@ -131,40 +206,51 @@ def run_local(
     model_dir = str(resolve_model(cfg.model))
     prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len)  # fail early
     head: LocalHead | None = None
+    watchdog = Watchdog()  # a `run` killed outright leaves no head and no ranks behind
+    supervisor = PoolSupervisor(cfg.max_worker_restarts)
     workers: list[Any] = []
     trainer: subprocess.Popen | None = None
     logs = None if verbose else log_dir(cfg.output_dir)
     if logs is not None:
         quiet_libraries()
     code = 1
+    exit_dir = Path(tempfile.mkdtemp(prefix="async-grpo-run-"))
     try:
         if address is None:
             head = LocalHead(num_cpus=16, object_store_bytes=1 << 30)
+            watchdog.guard(head.proc.pid)
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)
         connect(address, log_to_driver=verbose)
+        if threading.current_thread() is threading.main_thread():  # ray.init set its own
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, stop_on_signal)
         device = cfg.trainer.device
-        workers += launch.start_verifier_workers(
-            cfg.verifier, cfg.verifier.num_workers, log_dir=logs
-        )
+        starters = {
+            "verifier": lambda n: launch.start_verifier_workers(cfg.verifier, n, log_dir=logs),
+            "generation": lambda n: launch.start_generation_workers(
+                model_dir, cfg.generation, n, device, log_dir=logs
+            ),
+        }
+        counts = {"verifier": cfg.verifier.num_workers, "generation": cfg.generation.num_workers}
         if cfg.trainer.loss.kl_coef > 0:
-            workers += launch.start_logprob_workers(
-                model_dir,
-                cfg.logprob,
-                cfg.logprob.num_workers,
-                device,
-                cfg.trainer.loss.temperature,
-                log_dir=logs,
+            starters["logprob"] = lambda n: launch.start_logprob_workers(
+                model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
             )
-        workers += launch.start_generation_workers(
-            model_dir, cfg.generation, cfg.generation.num_workers, device, log_dir=logs
-        )
+            counts["logprob"] = cfg.logprob.num_workers
+        for pool in ("verifier", "logprob", "generation"):
+            if pool in starters:
+                started = starters[pool](counts[pool])
+                workers += started
+                supervisor.watch(pool, started, lambda start=starters[pool]: start(1))
         print(
             f"pools up: {len(workers)} workers; starting {cfg.trainer.num_ranks} trainer rank(s)",
             flush=True,
         )
+        exit_file = exit_dir / "trainer_exit"
         env = {
             **os.environ,
+            EXIT_FILE_ENV: str(exit_file),
             "OMP_NUM_THREADS": str(cfg.trainer.threads),
             "OMP_WAIT_POLICY": "PASSIVE",
             "RAY_AUTH_MODE": "disabled",
@@ -174,14 +260,38 @@ def run_local(
             env=env,
             start_new_session=True,
         )
-        code = trainer.wait()
+        watchdog.guard(trainer.pid)
+        while (code := trainer.poll()) is None:
+            time.sleep(1.0)
+            for line in supervisor.check():  # dead pool workers are replaced
+                print(line, flush=True)
+        if code and exit_file.is_file():  # a rank stopped on a user error (one line said)
+            code = int(exit_file.read_text())
+        if code not in (0, 2):
+            again = " ".join(["async-grpo run", config_path or "CONFIG", *overrides, "--resume"])
+            print(
+                f"the trainer died (exit code {code}); its checkpoints are kept, continue"
+                f" from the last one with: {again}",
+                flush=True,
+            )
+        return code
+    except RestartLimit as e:
+        print(str(e), flush=True)
+        code = 1
+        return code
+    except Stopped as e:
+        print(f"stopped by {e}: stopping the trainer, the pools and Ray", flush=True)
+        code = 128 + e.signum
         return code
     except KeyboardInterrupt:
         print("interrupted: stopping the trainer, the pools and Ray", flush=True)
         code = 130
         return code
     finally:
-        if code not in (0, 130) and logs is not None and logs.is_dir():
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # clean up undisturbed;
+                signal.signal(sig, signal.SIG_IGN)  # SIGKILL still works: the watchdog
+        if code not in (0, 130, 143, 129) and logs is not None and logs.is_dir():
             print(f"the run failed; the workers' logs are in {logs}/", flush=True)
         if trainer is not None and trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGTERM)
@@ -190,9 +300,12 @@ def run_local(
             except subprocess.TimeoutExpired:
                 os.killpg(trainer.pid, signal.SIGKILL)
                 trainer.wait(timeout=30)
+        workers = supervisor.workers or workers
         if workers:
             launch.stop_workers(workers, drain_timeout_s=5)
         if ray.is_initialized():
             ray.shutdown()
         if head is not None:
             head.stop()
+        watchdog.close()
+        shutil.rmtree(exit_dir, ignore_errors=True)

@@ -6,8 +6,7 @@
    on the quickstart shapes (Countdown prompts from sample-data, completions 16..128 tokens);
 2. trainer step (FSDP2 policy + chunked log-probs + GRPO loss, fwd+bwd) tokens/s vs a bare
    HF forward/backward on the same packed row (goal >= 0.9);
-3. weight push (bucketed, bf16) seconds vs one raw broadcast of the same bytes (goal <= 1.5x);
-4. trainer idle fraction (time/wait over time/step) of a finished run, with --metrics.
+3. trainer idle fraction (time/wait over time/step) of a finished run, with --metrics.
 """
 
 from __future__ import annotations
@@ -114,48 +113,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _receiver(port: int, metas: list, nbytes: int) -> None:
-    import torch
-
-    from async_grpo.weight_sync import WeightSyncGroup
-
-    group = WeightSyncGroup("127.0.0.1", port, 1, 2, "gloo", 120)
-    group._broadcast(torch.empty(1024))  # warm-up: connections
-    for _ in range(2):
-        list(group.recv(metas))
-    group._broadcast(torch.empty(nbytes // 2, dtype=torch.bfloat16))
-
-
-def push_figure() -> tuple[float, float, int]:
-    import multiprocessing as mp
-
-    import torch
-    from safetensors.torch import load_file
-
-    from async_grpo.models import resolve_model
-    from async_grpo.weight_sync import WeightSyncGroup, metas_for
-
-    state = load_file(str(resolve_model("smollm2-135m") / "model.safetensors"))
-    named = list(state.items())
-    metas = metas_for(named, torch.bfloat16)
-    nbytes = sum(m.numel for m in metas) * 2
-    port = _free_port()
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(port, metas, nbytes))
-    proc.start()
-    group = WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", 120)
-    group._broadcast(torch.zeros(1024))
-    group.send(named, metas)  # warm-up: first-touch of the buffers
-    t = time.perf_counter()
-    group.send(named, metas)
-    push_s = time.perf_counter() - t
-    flat = torch.zeros(nbytes // 2, dtype=torch.bfloat16)
-    t = time.perf_counter()
-    group._broadcast(flat)
-    raw_s = time.perf_counter() - t
-    proc.join(timeout=120)
-    return push_s, raw_s, nbytes
-
-
 def idle_figure(path: str) -> float:
     with open(path) as f:
         rows = [json.loads(line) for line in f]
@@ -166,22 +123,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--metrics", default=None)
-    parser.add_argument("--only-push", action="store_true")
     args = parser.parse_args()
-    if args.only_push:
-        push_s, raw_s, nbytes = push_figure()
-        print(f"push {push_s:.2f}s raw {raw_s:.2f}s ratio {push_s / raw_s:.2f}")
-        return
     full, overall = packing_figure()
     print(
         f"packing: streamed rounds {full:.3f} of the token budget (goal >= 0.95);"
         f" {overall:.3f} including each step's last, partial round",
-        flush=True,
-    )
-    push_s, raw_s, nbytes = push_figure()
-    print(
-        f"weight push: {push_s:.2f}s bucketed vs {raw_s:.2f}s raw broadcast of the same"
-        f" {nbytes / 1e6:.0f} MB: {push_s / raw_s:.2f}x (goal <= 1.5x)",
         flush=True,
     )
     ours, bare = trainer_figure(args.tokens)

@@ -32,6 +32,13 @@ OUT = REPO / "docs" / "configuration.md"
 
 # Meanings of the keys whose line in config.py carries no comment.
 DESCRIPTIONS: dict[str, str] = {
+    "generation.weight_transport": "`broadcast`: this worker takes pushes over the broadcast"
+    " group even on the trainer's node (e.g. a container that does not share the trainer's"
+    " `/dev/shm`); `auto`: the trainer chooses (see [weight-sync.md](weight-sync.md))",
+    "trainer.weight_transport": "how pushed weights reach each generation worker: `auto`"
+    " picks shared memory (same node, CPU), CUDA IPC (same GPU) or the broadcast group"
+    " (elsewhere), per worker; `broadcast`, `shm`, `cuda_ipc` force one (an error where the"
+    " placement cannot use it). See [weight-sync.md](weight-sync.md)",
     "data": "prompt JSONL file (`input`, `answer`, optional `input_token_ids`); prompts"
     " without token ids are chat-templated at start-up",
     "output_dir": "where `training_params.json`, `training_metrics.jsonl` and"

@@ -61,7 +61,12 @@ class ExperienceBatcher:
         self._ready: dict[int, asyncio.Queue] = defaultdict(asyncio.Queue)
         self._tasks: list[asyncio.Task] = []
         self.counters: dict[str, float] = defaultdict(float)  # packing, over the run
-        self.drops: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        # per step, in samples: the books (samples/*) and the drops by reason (dropped/*)
+        self.books: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        # per step: samples that failed to score (error or timeout), samples scored, and the
+        # first reasons, which the trainer asks for when it reports or stops on them
+        self.score_failures: dict[int, list[Any]] = defaultdict(lambda: [0, 0, []])
+        self.failure_reasons: dict[int, list[str]] = {}
         self.error: str | None = None
         self._groups: dict[int, dict[int, list[ScoredSample] | None]] = defaultdict(dict)
         self._preloaded: dict[int, list[list[ScoredSample] | None]] = {}
@@ -137,6 +142,10 @@ class ExperienceBatcher:
             if step >= from_step and len(slots) == q
         }
 
+    async def score_failure_reasons(self, step: int) -> list[str]:
+        """The first reasons (up to 3) why samples of `step` failed to score."""
+        return self.failure_reasons.get(step, [])
+
     async def get(self, rank: int, timeout_s: float) -> Minibatch | EndOfBatch:
         """The next item for `rank`: minibatches of the current step, then its EndOfBatch."""
         if self.error:
@@ -200,11 +209,16 @@ class ExperienceBatcher:
 
     async def _group(self, step: int, slot: int) -> None:
         """Make (or replay) one group and hand it to the emitter; None if it failed."""
+        n = self.cfg.batcher.samples_per_question
         try:
+            self.books[step]["samples/planned"] += n
             if step in self._preloaded:
                 group = self._preloaded[step][slot]
+                self.books[step]["samples/replayed"] += len(group or [])
             else:
                 group = await self._find_group(step, slot)
+            if group is None:
+                self.books[step]["samples/missing"] += n
             self._groups[step][slot] = group
             await self._ready[step].put(group)
         finally:
@@ -215,17 +229,21 @@ class ExperienceBatcher:
     async def _find_group(self, step: int, slot: int) -> list[ScoredSample] | None:
         b, g = self.cfg.batcher, self.cfg.generation
         prompt = self.prompts[self.sampler.index_at(step * b.questions_per_step + slot)]
+        books, n = self.books[step], b.samples_per_question
         for attempt in range(GROUP_ATTEMPTS):
             seed = random.Random(f"{b.seed}:{step}:{slot}:{attempt}").getrandbits(31)
             sampling = SamplingSettings(g.max_new_tokens, g.temperature, g.top_p, seed)
+            books["samples/requested"] += n
+            if attempt:
+                books["samples/regenerated"] += n
             try:
                 group = await self._make_group(step, prompt, sampling)
             except RequestError as e:  # this prompt is bad; the run goes on without it
-                self.drops[step]["dropped/bad_request"] += 1
+                books["dropped/bad_request"] += n
                 print(f"batcher: step {step} slot {slot}: {e}", flush=True)
                 break
             except (PoolUnavailable, TimeoutError) as e:
-                self.drops[step]["dropped/group_error"] += 1
+                books["dropped/group_error"] += n
                 print(f"batcher: step {step} slot {slot} attempt {attempt}: {e}", flush=True)
                 continue
             if group is not None:
@@ -238,10 +256,18 @@ class ExperienceBatcher:
         from async_grpo.rewards import RewardInput
 
         n, ids = self.cfg.batcher.samples_per_question, prompt.input_token_ids
-        completions = await self._clients["generation"].call(n, "generate", ids, n, sampling)
+        books = self.books[step]
+
+        def reissued() -> None:  # the request went to another worker after a death
+            books["samples/reissued"] += n
+
+        completions = await self._clients["generation"].call(
+            n, "generate", ids, n, sampling, on_retry=reissued
+        )
+        books["samples/generated"] += len(completions)
         version = min(c.policy_version for c in completions)
         if step - version > self.cfg.batcher.max_off_policy_steps:
-            self.drops[step]["dropped/stale"] += n
+            books["dropped/stale"] += n
             return None
         scored = await self._clients["verifier"].call(
             n,
@@ -250,13 +276,22 @@ class ExperienceBatcher:
                 RewardInput(prompt.input, c.text, prompt.answer, prompt.metadata)
                 for c in completions
             ],
+            on_retry=reissued,
         )
+        books["samples/scored"] += len(scored)
+        book = self.score_failures[step]
+        book[1] += len(scored)
+        for s in scored:
+            if s.reason.startswith(("error", "timeout")):
+                book[0] += 1
+                if len(book[2]) < 3:
+                    book[2].append(s.reason)
         rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)  # [n]
         adv, zero = group_advantages(rewards, self.cfg.trainer.loss.advantage_std_norm)
         refs: list[Any] = [None] * n
         if self._kl:
             refs = await self._clients["logprob"].call(
-                n, "logprobs", [(ids, c.token_ids) for c in completions]
+                n, "logprobs", [(ids, c.token_ids) for c in completions], on_retry=reissued
             )
         return [
             ScoredSample(
@@ -312,6 +347,8 @@ class ExperienceBatcher:
                 passes += 1
             del self._ready[step]
             samples = [s for grp in groups for s in grp]
+            self.books[step]["samples/trained"] += len(samples) - len(skipped)
+            self.books[step]["samples/skipped"] += len(skipped)
             stats = self._batch_stats(step, groups, time.monotonic() - t0)
             stats |= await self._pool_counters()
             tokens, count = self._loss_counts(samples)
@@ -324,7 +361,8 @@ class ExperienceBatcher:
 
     async def _pool_counters(self) -> dict[str, float]:
         """Counters kept by the pools since the start: verifier timeouts and errors (summed
-        over the verifier workers) and requests retried after a worker died."""
+        over the live verifier workers), requests retried after a worker died, and dead
+        workers replaced."""
         out = {
             f"pool/{name}_retries": float(getattr(c, "retries", 0))
             for name, c in self._clients.items()
@@ -334,8 +372,13 @@ class ExperienceBatcher:
             return out
         try:
             async with asyncio.timeout(POOL_STATS_TIMEOUT_S):
+                for name, c in self._clients.items():
+                    out[f"pool/{name}/restarts"] = float(await c.registry.restart_count.remote())
                 handles = await registry.handles.remote()
-                per_worker = await asyncio.gather(*(h.stats.remote() for h in handles.values()))
+                answers = await asyncio.gather(
+                    *(h.stats.remote() for h in handles.values()), return_exceptions=True
+                )
+                per_worker = [a for a in answers if isinstance(a, dict)]  # the dead say nothing
         except TimeoutError:
             print(
                 f"batcher: verifier stats not answered within {POOL_STATS_TIMEOUT_S:.0f}s;"
@@ -394,13 +437,51 @@ class ExperienceBatcher:
         return stats | self._drain_counters(step)
 
     def _drain_counters(self, step: int) -> dict[str, float]:
-        """The drops of `step`'s groups (every group of the step has reported by now) and
+        """The books and drops of `step` (every group of the step has reported by now) and
         the run's packing efficiency so far."""
-        out = dict(self.drops.pop(step, {}))
+        out = ledger(self.books.pop(step, {}))
+        failed, scored, reasons = self.score_failures.pop(step, [0, 0, []])
+        out["verifier/step_failures"], out["verifier/step_scored"] = float(failed), float(scored)
+        self.failure_reasons[step] = reasons
+        self.failure_reasons.pop(step - 16, None)  # bounded: the trainer asks within a step
         budget = self.counters.get("packed_budget", 0.0)
         if budget:
             out["packing_efficiency"] = self.counters["packed_tokens"] / budget
         return out
+
+
+BOOK_KEYS = (
+    "planned",
+    "requested",
+    "regenerated",
+    "reissued",
+    "replayed",
+    "generated",
+    "scored",
+    "trained",
+    "skipped",
+    "missing",
+    "dropped",
+)
+
+
+def ledger(books: dict[str, float]) -> dict[str, float]:
+    """One step's sample books as metrics: every samples/* key (0 when nothing happened),
+    samples/dropped the sum of the dropped/<reason> counts, and samples/unaccounted, which
+    is 0 when the books balance:
+
+        requested + replayed = trained + skipped + dropped   (each sample leaves once)
+        planned = trained + skipped + missing                (each slot delivers or is missing)
+    """
+    out = {f"samples/{k}": float(books.get(f"samples/{k}", 0.0)) for k in BOOK_KEYS}
+    drops = {k: float(v) for k, v in books.items() if k.startswith("dropped/")}
+    out["samples/dropped"] = sum(drops.values(), 0.0)
+    out |= drops
+    came = out["samples/requested"] + out["samples/replayed"]
+    left = out["samples/trained"] + out["samples/skipped"] + out["samples/dropped"]
+    slots = out["samples/trained"] + out["samples/skipped"] + out["samples/missing"]
+    out["samples/unaccounted"] = abs(came - left) + abs(out["samples/planned"] - slots)
+    return out
 
 
 def _flat(units: list[list[ScoredSample]], picked: list[int]) -> list[ScoredSample]:

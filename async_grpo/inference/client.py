@@ -95,7 +95,11 @@ class PoolClient:
         if self._registry is None:
             self._registry = await get_registry_async(self.pool)
 
-    async def call(self, n: int, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def call(
+        self, n: int, method: str, *args: Any, on_retry: Any = None, **kwargs: Any
+    ) -> Any:
+        """`method(*args, **kwargs)` on a leased worker; `on_retry()` is called each time
+        the request is sent again because its worker died."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         await self.connect()
@@ -114,6 +118,8 @@ class PoolClient:
                 except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
                     last = e
                     self.retries += 1
+                    if on_retry is not None:
+                        on_retry()
                     reason = f"died during {method}: {type(e).__name__}"
                     await self._ask_registry(self._registry.drop.remote(worker_id, reason), "drop")
             finally:

@@ -1,19 +1,22 @@
 """GenerationWorker: one vLLM V1 `AsyncLLM` engine behind a Ray actor.
 
-In: prompt token ids, a group size n, sampling settings; new weights (a torch.distributed
-broadcast from trainer rank 0, or a state dict). Out: `Completion`s with per-token sampling
-log-probs and the policy version. Many requests run at once (continuous batching).
+In: prompt token ids, a group size n, sampling settings; new weights, chunk by chunk,
+through vLLM's weight-transfer API (our engine in vllm_ext.py), or a checkpoint folder.
+Out: `Completion`s with per-token sampling log-probs and the policy version. Many requests
+run at once (continuous batching).
 
-Version rule: a completion carries the version of the weights when its request started. A
-request that spans an update mixes two policies; stamping the older version keeps the
-staleness bound conservative.
+Version rule: an update first pauses the engine until the requests it runs have finished
+(vLLM's `pause_generation(mode="wait")`) and clears the KV and prefix caches, so no token
+is ever computed from KV of other weights. vLLM labels every output token with the weight
+version that sampled it; a completion carries that version (the oldest, should a request
+ever span two).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from async_grpo.config import GenerationConfig
+from async_grpo.faults import fault_point
 from async_grpo.inference.types import Completion, RequestError, SamplingSettings
 from async_grpo.inference.worker_base import RegisteredWorker
 
@@ -66,7 +70,13 @@ class GenerationWorker(RegisteredWorker):
         self.model_dir, self.cfg, self.device = model_dir, cfg, device
         self.engine: Any = None
         self._update_lock = asyncio.Lock()
+        self._watchdog: asyncio.Task | None = None
+        self._chunk_turn = asyncio.Condition()  # chunks of a push load in index order
+        self._next_chunk = 0
+        self._attempt: int | None = None  # the push under way (paused), None between pushes
         self.requests_served = 0
+        self.prefix_reset_failures = 0  # updates after which vLLM kept old prefix blocks
+        self.last_drain_s = 0.0  # how long the last update waited for running requests
 
     async def start(self, register: bool = True) -> str:
         """Build the engine (tens of seconds on CPU), then register with the pool's registry."""
@@ -93,10 +103,12 @@ class GenerationWorker(RegisteredWorker):
             gpu_memory_utilization=c.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes
             worker_extension_cls="async_grpo.inference.vllm_ext.WeightSyncExtension",
+            weight_transfer_config={"backend": "async_grpo"},  # registered by the extension
             disable_log_stats=True,
             **cpu_scheduler_args(c, self.device),
         )
         self.engine = AsyncLLM.from_engine_args(args)
+        await self.engine.update_weight_version(str(self.version))
         if register:
             await self.register()
         return self.worker_id
@@ -105,6 +117,7 @@ class GenerationWorker(RegisteredWorker):
         self, prompt_ids: list[int], n: int, sampling: SamplingSettings | None = None
     ) -> list[Completion]:
         """`n` completions of one prompt, each with per-token log-probs."""
+        fault_point("generation.generate")
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -147,7 +160,7 @@ class GenerationWorker(RegisteredWorker):
                 [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)],
                 o.text,
                 "length" if o.finish_reason == "length" else "stop",
-                version,
+                sampled_version(o.weight_versions, version),
             )
             for o in final.outputs
         ]
@@ -155,55 +168,145 @@ class GenerationWorker(RegisteredWorker):
     async def ping(self) -> dict[str, Any]:
         """The base fields, plus the requests the engine still runs (aborts included)."""
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
-        return await super().ping() | {"engine_requests": running}
+        return await super().ping() | {
+            "engine_requests": running,
+            "prefix_reset_failures": self.prefix_reset_failures,
+            "last_drain_s": self.last_drain_s,
+        }
 
-    async def init_weight_sync(
-        self,
-        host: str,
-        port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-    ) -> list[int]:
-        """Join the trainer's weight-sync group; every TP shard takes its own rank."""
-        return await self.engine.collective_rpc(
-            "async_grpo_init_sync", args=(host, port, rank_offset, world_size, backend, timeout_s)
-        )
+    def place(self) -> tuple[str, str, bool]:
+        """(Ray node id, device, broadcast only): the device is "cpu" or the uuid of the
+        GPU this engine uses; see transports.select.Place."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        device = "cpu" if self.device == "cpu" else str(torch.cuda.get_device_properties(0).uuid)
+        return node, device, self.cfg.weight_transport == "broadcast"
 
     def group_size(self) -> int:
+        """Ranks this engine takes in a broadcast group: one per tensor-parallel shard."""
         return self.cfg.tensor_parallel_size
 
-    async def receive_weights(
-        self, metas: list[tuple[str, tuple[int, ...], str]], version: int
-    ) -> int:
-        """Take part in one broadcast from trainer rank 0, then serve the new version."""
-        async with self._update_lock:
-            await self.engine.collective_rpc("async_grpo_receive", args=(metas,))
+    async def init_weight_transfer(self, info: dict[str, Any]) -> str:
+        """Open this engine's end of the transport the trainer chose (info["kind"])."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info={"info": info})
+        )
+        self.transport = info["kind"]
+        return self.transport
+
+    async def begin_update(self, version: int, timeout_s: float, attempt: int = 0) -> float:
+        """Pause (running requests finish on the current weights), clear the caches, start
+        vLLM's layerwise reload; returns the seconds spent waiting for running requests.
+        The update is abandoned unless `end_update` comes within `timeout_s`.
+
+        Called again before `end_update` (the trainer resends a push that broke off when
+        another worker died), it stays paused and starts the reload over."""
+        if self._attempt is not None:
+            return await self._restart_update(version, timeout_s, attempt)
+        await self._update_lock.acquire()
+        try:
+            t = time.perf_counter()
+            async with asyncio.timeout(timeout_s):
+                await self.engine.pause_generation(mode="wait", clear_cache=True)
+            self.last_drain_s = time.perf_counter() - t
+            await self.engine.start_weight_update()
+            self._next_chunk, self._attempt = 0, attempt
+        except BaseException:
+            await self._resume()
+            raise
+        self._watchdog = asyncio.get_running_loop().create_task(
+            self._abandon_after(version, timeout_s)
+        )
+        return self.last_drain_s
+
+    async def _restart_update(self, version: int, timeout_s: float, attempt: int) -> float:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        async with self._chunk_turn:  # chunk calls of the broken attempt give up
+            self._attempt = attempt
+            self._chunk_turn.notify_all()
+        # close vLLM's half-done reload (layers not loaded keep their tensors), open anew;
+        # nothing is served in between: generation stays paused
+        await self.engine.finish_weight_update(weight_version=str(self.version))
+        await self.engine.start_weight_update()
+        self._next_chunk = 0
+        self._watchdog = asyncio.get_running_loop().create_task(
+            self._abandon_after(version, timeout_s)
+        )
+        return 0.0
+
+    async def load_chunk(
+        self,
+        index: int,
+        metas: list[tuple[str, list[int], str]],
+        slot: int,
+        nbytes: int,
+        attempt: int = 0,
+    ) -> None:
+        """Load chunk `index` of this push from `slot` (or from the broadcast now under way).
+        Chunks load in order whatever order their calls arrive in; a chunk of a push
+        attempt that was started over is refused."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        fault_point("generation.load_chunk")
+        async with self._chunk_turn:
+            await self._chunk_turn.wait_for(
+                lambda: self._attempt != attempt or self._next_chunk == index
+            )
+            if self._attempt != attempt:
+                raise RuntimeError(f"{self.worker_id}: chunk {index} of a push started over")
+            info = {"metas": metas, "slot": slot, "nbytes": nbytes}
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+            self._next_chunk += 1
+            self._chunk_turn.notify_all()
+
+    async def end_update(self, version: int) -> int:
+        """Finish the reload, label new tokens `version`, resume; returns the version served."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._attempt = None
+        try:
+            await self.engine.finish_weight_update(weight_version=str(version))
             await self._after_update(version)
+        finally:
+            await self._resume()
         return self.version
 
-    async def update_weights_from_state_dict(
-        self, state: dict[str, torch.Tensor] | list[Any], version: int
-    ) -> int:
-        """Load weights from a state dict (or a one-element list holding its ObjectRef)."""
-        from safetensors.torch import save_file
-
-        if isinstance(state, list):
-            import ray
-
-            state = await state[0] if isinstance(state[0], ray.ObjectRef) else state[0]
-        async with self._update_lock:
-            with tempfile.TemporaryDirectory(prefix="async-grpo-weights-") as d:
-                tensors = {k: v.detach().contiguous() for k, v in state.items()}
-                save_file(tensors, os.path.join(d, "model.safetensors"))
-                await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": d})
+    async def load_weights_dir(self, hf_dir: str, version: int) -> int:
+        """Load a Hugging Face folder (a checkpoint) as `version`, paused like a push."""
+        await self._update_lock.acquire()
+        try:
+            await self.engine.pause_generation(mode="wait", clear_cache=True)
+            await self.engine.collective_rpc("async_grpo_load_dir", args=(hf_dir,))
+            await self.engine.update_weight_version(str(version))
             await self._after_update(version)
+        finally:
+            await self._resume()
         return self.version
 
     async def _after_update(self, version: int) -> None:
-        await self.engine.reset_prefix_cache()
+        if not await self.engine.reset_prefix_cache():  # nothing runs: this must succeed
+            self.prefix_reset_failures += 1
         self.version = version
+
+    async def _resume(self) -> None:
+        await self.engine.resume_generation()
+        self._update_lock.release()
+
+    async def _abandon_after(self, version: int, timeout_s: float) -> None:
+        """The trainer vanished mid-push: the weights are half loaded, so stop serving."""
+        await asyncio.sleep(timeout_s)
+        print(
+            f"{self.worker_id}: push of version {version} not finished within {timeout_s:.0f}s;"
+            " weights are incomplete, leaving the pool",
+            flush=True,
+        )
+        self.engine.shutdown()
+        self.engine = None
+        await self.drain(0.0)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> dict[str, int]:
         """Deregister, let running requests finish (up to the timeout), shut the engine."""
@@ -212,3 +315,10 @@ class GenerationWorker(RegisteredWorker):
             self.engine.shutdown()
             self.engine = None
         return result
+
+
+def sampled_version(spans: list[Any] | None, started: int) -> int:
+    """The oldest weight version vLLM reports for a completion's tokens (`started`, the
+    version when the request was sent, where vLLM reported none)."""
+    versions = [int(v.version) for v in spans or [] if str(v.version).isdigit()]
+    return min(versions) if versions else started

@@ -20,6 +20,7 @@ import torch
 from async_grpo.config import LogprobConfig
 from async_grpo.core.logprobs import batch_logprobs
 from async_grpo.core.packing import PackInput, pack
+from async_grpo.faults import fault_point
 from async_grpo.inference.types import RequestError
 from async_grpo.inference.worker_base import RegisteredWorker
 
@@ -57,7 +58,6 @@ class LogprobWorker(RegisteredWorker):
         self._queue: asyncio.Queue[_Pending] | None = None
         self._loop_task: asyncio.Task | None = None
         self.tokens_scored = 0
-        self.sync_group: Any = None
         self.attention: Any = None
 
     async def start(self, register: bool = True) -> str:
@@ -93,6 +93,7 @@ class LogprobWorker(RegisteredWorker):
 
     async def logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Log-probs of each completion token given its prompt, in request order."""
+        fault_point("logprob.logprobs")
         for p, c in pairs:
             if not p or not c:
                 raise RequestError(f"{self.worker_id}: empty prompt or completion")
@@ -156,42 +157,6 @@ class LogprobWorker(RegisteredWorker):
             out.append(flat[offset : offset + len(b.completion_ids)])
             offset += len(b.completion_ids)
         return out
-
-    async def update_weights_from_state_dict(self, state: Any, version: int) -> int:
-        if isinstance(state, list):
-            state = await state[0]
-        await asyncio.to_thread(self.model.load_state_dict, state, strict=False)
-        self.version = version
-        return self.version
-
-    def group_size(self) -> int:
-        return 1
-
-    async def init_weight_sync(
-        self,
-        host: str,
-        port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-    ) -> list[int]:
-        from async_grpo.weight_sync import WeightSyncGroup
-
-        self.sync_group = await asyncio.to_thread(
-            WeightSyncGroup, host, port, rank_offset, world_size, backend, timeout_s
-        )
-        return [rank_offset]
-
-    async def receive_weights(
-        self, metas: list[tuple[str, tuple[int, ...], str]], version: int
-    ) -> int:
-        from async_grpo.weight_sync import TensorMeta
-
-        metas_t = [TensorMeta(n, tuple(s), d) for n, s, d in metas]
-        pairs = await asyncio.to_thread(lambda: list(self.sync_group.recv(metas_t)))
-        await self.update_weights_from_state_dict(dict(pairs), version)
-        return self.version
 
     async def stats(self) -> dict[str, Any]:
         return {

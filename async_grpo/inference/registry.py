@@ -7,8 +7,9 @@ per pool, so it outlives runs; the class is plain so tests can drive it without 
 
 Leases cannot leak across runs: each one expires (the caller's call timeout plus slack),
 and a worker's heartbeat reports its own in-flight count, which reclaims leases that no
-running request backs (a caller that crashed or was cancelled). Published weights are
-copied into an object this actor owns, so they outlive the trainer that published them.
+running request backs (a caller that crashed or was cancelled). The registry also knows
+the trainer's newest saved checkpoint (a folder path, never the weights themselves), which a
+worker that joins mid-run loads before its first push.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any
 from async_grpo.inference.types import PoolUnavailable, WorkerStatus
 
 DEFAULT_HOLD_S = 3600.0  # a lease's life when the caller names none
-PUBLISH_TIMEOUT_S = 600.0  # copying published weights into this actor's own object
 
 
 @dataclass
@@ -35,6 +35,7 @@ class _Worker:
     last_heartbeat: float
     heartbeats: bool = True
     load: int = 0  # sequences leased (sum of its live leases)
+    transport: str = ""  # how pushed weights reach it, as its heartbeat reports
 
 
 @dataclass
@@ -46,7 +47,7 @@ class _Lease:
 
 
 class LeastLoadedRegistry:
-    """Leases, liveness and the latest published weights of one pool."""
+    """Leases, liveness and the newest checkpoint of one pool."""
 
     def __init__(
         self, pool: str, heartbeat_timeout_s: float = 30.0, lease_grace_s: float = 10.0
@@ -59,11 +60,11 @@ class LeastLoadedRegistry:
         self._leases: dict[str, _Lease] = {}
         self._released_early: dict[str, float] = {}  # lease id -> when (released before grant)
         self._changed = asyncio.Condition()
-        self._publishing = asyncio.Lock()
-        self._weights: tuple[int, list[Any]] | None = None  # (version, [ObjectRef])
+        self._checkpoint: tuple[int, str] | None = None  # (version, HF folder)
         self._prober: asyncio.Task | None = None
         self.dropped: dict[str, str] = {}  # worker id -> reason
         self.reclaimed = {"expired": 0, "unbacked": 0}  # leases taken back (a metric)
+        self.restarts = 0  # dead workers a launcher replaced (a metric)
 
     async def register(
         self,
@@ -73,8 +74,9 @@ class LeastLoadedRegistry:
         version: int,
         node: str = "",
         heartbeats: bool = True,
-    ) -> tuple[int, list[Any]] | None:
-        """Add a worker; returns the latest published weights it should load first, if any.
+    ) -> tuple[int, str] | None:
+        """Add a worker; returns the newest checkpoint (version, HF folder) if it is newer
+        than the worker's weights: the worker loads it before serving.
 
         The same worker (same handle) may register again, e.g. after being dropped for a
         slow heartbeat; its leases stay. Another actor under a registered id is refused.
@@ -96,11 +98,13 @@ class LeastLoadedRegistry:
         if not heartbeats and self._prober is None:
             self._prober = asyncio.get_running_loop().create_task(self._probe_silent())
         await self._notify()
-        if self._weights is not None and self._weights[0] > version:
-            return self._weights
+        if self._checkpoint is not None and self._checkpoint[0] > version:
+            return self._checkpoint
         return None
 
-    async def heartbeat(self, worker_id: str, version: int, in_flight: int | None = None) -> bool:
+    async def heartbeat(
+        self, worker_id: str, version: int, in_flight: int | None = None, transport: str = ""
+    ) -> bool:
         """False tells the worker it was dropped and must register again.
 
         `in_flight`: sequences the worker is serving now; leases older than the grace
@@ -110,6 +114,7 @@ class LeastLoadedRegistry:
             return False
         now = time.monotonic()
         w.last_heartbeat, w.version = now, version
+        w.transport = transport or w.transport
         if in_flight is not None:
             old = sorted(
                 (le.granted, lid)
@@ -137,6 +142,13 @@ class LeastLoadedRegistry:
             self._forget(wid)
         await self._notify()
         return gone
+
+    async def count_restart(self) -> int:
+        self.restarts += 1
+        return self.restarts
+
+    async def restart_count(self) -> int:
+        return self.restarts
 
     async def drop(self, worker_id: str, reason: str) -> None:
         """Remove a worker a caller found dead; its leases vanish with it."""
@@ -201,15 +213,13 @@ class LeastLoadedRegistry:
                     del self._released_early[lid]
         await self._notify()
 
-    async def publish_weights(self, version: int, ref: list[Any]) -> None:
-        """Keep the latest weights (a one-element list holding an ObjectRef) for late joiners.
-
-        Under Ray the object is copied into one this actor owns: a Ray object dies with the
-        process that put it, and the publishing trainer exits long before this registry.
-        A worker registering during the copy gets no weights; it joins the next push."""
-        async with self._publishing:
-            self._weights = None  # free the old copy first: at most two in the store at once
-            self._weights = (version, await _owned_copy(ref))
+    async def announce_checkpoint(self, version: int, hf_dir: str | None) -> None:
+        """The trainer saved `version` as a Hugging Face folder: late joiners load it.
+        `hf_dir=None` (a run starting) forgets the last run's: its versions count anew."""
+        if hf_dir is None:
+            self._checkpoint = None
+        elif self._checkpoint is None or version >= self._checkpoint[0]:
+            self._checkpoint = (version, hf_dir)
 
     async def status(self) -> list[WorkerStatus]:
         self._expire()
@@ -223,6 +233,7 @@ class LeastLoadedRegistry:
                 w.version,
                 w.node,
                 round(now - w.last_heartbeat, 1),
+                w.transport,
             )
             for wid, w in sorted(self._workers.items())
         ]
@@ -274,22 +285,3 @@ class LeastLoadedRegistry:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
-
-
-async def _owned_copy(ref: list[Any]) -> list[Any]:
-    """`[ObjectRef]` -> `[ObjectRef]` of a copy owned by the calling process (this actor).
-
-    Anything else (plain values, in tests without Ray) is kept as it is. Ray 2.56 removed
-    `ray.put(..., _owner=...)`, so ownership passes by fetching and putting again."""
-    import ray
-
-    if not (ref and isinstance(ref[0], ray.ObjectRef)):
-        return ref
-
-    try:
-        state = await asyncio.wait_for(ref[0], timeout=PUBLISH_TIMEOUT_S)
-    except TimeoutError:
-        raise TimeoutError(
-            f"could not fetch the published weights within {PUBLISH_TIMEOUT_S:.0f}s"
-        ) from None
-    return [await asyncio.to_thread(ray.put, state)]

@@ -49,3 +49,4 @@ class WorkerStatus:
     version: int
     node: str
     seconds_since_heartbeat: float
+    transport: str = ""  # how pushed weights reach it (broadcast, shm, cuda_ipc), once known

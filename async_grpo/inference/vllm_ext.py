@@ -1,50 +1,141 @@
-"""Methods mixed into vLLM's worker (`worker_extension_cls`), called via `collective_rpc`.
+"""Our weight-transfer engine inside vLLM (vLLM's own weight-transfer API).
 
-They run inside the engine's worker process, once per tensor-parallel shard: each shard is
-its own member of the weight-sync group, receives the full tensors, and lets vLLM's
-`reload_weights` shard and repack them (on CPU vLLM repacks linear weights, so a plain
-`load_weights` into the live model fails).
+vLLM 0.32 drives weight updates through a `WeightTransferEngine` per engine worker:
+`init_transfer_engine` once, then per push `start_weight_update`, one `update_weights`
+per chunk and `finish_weight_update`. This module registers ours as backend
+"async_grpo": it receives each chunk through the transport the trainer chose for this
+worker (broadcast group, shared memory or CUDA IPC; see async_grpo.transports) and hands
+the tensors to vLLM's layerwise reload, which shards, repacks (CPU) and processes each
+layer as soon as its last tensor arrives. Imported in the engine's worker process through
+`worker_extension_cls`, which is how the registration reaches that process.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from async_grpo.weight_sync import TensorMeta, WeightSyncGroup
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from async_grpo.transports.base import TensorMeta, unpack
+from async_grpo.transports.select import open_receiver
+
+BACKEND = "async_grpo"
+
+
+@dataclass
+class TransportInit(WeightTransferInitInfo):
+    """The trainer's init info for one worker: the transport and how to reach it."""
+
+    info: dict[str, Any]
+
+
+@dataclass
+class ChunkAnnouncement(WeightTransferUpdateInfo):
+    """One chunk: which tensors, in which slot, how many bytes."""
+
+    metas: list[tuple[str, list[int], str]]
+    slot: int
+    nbytes: int
+
+
+class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncement]):
+    init_info_cls = TransportInit
+    update_info_cls = ChunkAnnouncement
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.receiver: Any = None
+
+    def init_transfer_engine(self, init_info: TransportInit) -> None:
+        self.shutdown()
+        info = dict(init_info.info)
+        if info["kind"] == "broadcast":  # every tensor-parallel shard is its own rank
+            info["rank"] = info["rank_offset"] + int(self.parallel_config.rank)
+        self.receiver = open_receiver(info)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.current_accelerator() is not None:  # none on CPU
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: ChunkAnnouncement) -> None:
+        if self.receiver is None:
+            raise RuntimeError("weight chunk received before init_weight_transfer_engine")
+        flat = self.receiver.chunk(update_info.slot, update_info.nbytes)
+        metas = [TensorMeta(n, tuple(s), d) for n, s, d in update_info.metas]
+        self.model.load_weights(unpack(flat, metas))
+        _own_pending(flat)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+
+def _own_pending(flat: torch.Tensor) -> None:
+    """Copy what vLLM still holds of `flat` before the trainer reuses its slot.
+
+    vLLM buffers a layer's tensors until the layer is complete. Chunks hold whole layers,
+    so this finds nothing unless a layer loads fewer elements than it allocates (padded
+    vocabularies), whose tensors wait for `finish_weight_update`."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    ptr = flat.untyped_storage().data_ptr()
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
+                    bound.arguments[key] = value.clone()
+
+
+def register() -> None:
+    """Make backend "async_grpo" known to vLLM in this process (idempotent)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, AsyncGrpoTransferEngine)
 
 
 class WeightSyncExtension:
-    """`self` is vLLM's worker at run time."""
+    """Mixed into vLLM's worker (`worker_extension_cls`): importing this module is what
+    registers the engine in the worker process; `self` is vLLM's worker at run time."""
 
-    def async_grpo_init_sync(
-        self,
-        host: str,
-        port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-    ) -> int:
-        old = getattr(self, "_async_grpo_group", None)
-        if old is not None:
-            old.close()
-        rank = rank_offset + self._async_grpo_tp_rank()
-        self._async_grpo_group = WeightSyncGroup(host, port, rank, world_size, backend, timeout_s)
-        return rank
+    def async_grpo_load_dir(self, hf_dir: str) -> int:
+        """Reload every tensor of a Hugging Face folder in place; returns tensors loaded.
 
-    def async_grpo_receive(self, metas: list[tuple[str, tuple[int, ...], str]]) -> int:
-        """Receive one broadcast of the full weights and load them; returns tensors loaded."""
-        group = self._async_grpo_group
-        pairs = list(group.recv([TensorMeta(n, tuple(s), d) for n, s, d in metas]))
-        self.reload_weights(weights_iterator=iter(pairs))
+        A tied LM head is saved only as the embedding; on CPU vLLM keeps a repacked copy of
+        the head that only `lm_head.weight` itself refreshes, so it is added here."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        folder = Path(hf_dir)
+        pairs: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            pairs |= load_file(str(f))
+        config = json.loads((folder / "config.json").read_text())
+        embed = "model.embed_tokens.weight"
+        if config.get("tie_word_embeddings") and "lm_head.weight" not in pairs and embed in pairs:
+            pairs["lm_head.weight"] = pairs[embed]
+        self.reload_weights(weights_iterator=iter(pairs.items()))
         return len(pairs)
 
-    def async_grpo_close_sync(self) -> None:
-        group = getattr(self, "_async_grpo_group", None)
-        if group is not None:
-            group.close()
-            self._async_grpo_group = None
 
-    def _async_grpo_tp_rank(self) -> int:
-        rank: Any = getattr(self, "rank", 0)
-        return int(rank)
+register()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from typing import Any
 
 HEARTBEAT_S = 2.0
-FETCH_WEIGHTS_TIMEOUT_S = 600.0  # fetching the published weights from the object store
 REGISTRY_CALL_TIMEOUT_S = 60.0  # register / heartbeat answered by the pool's registry
 
 
@@ -28,11 +28,12 @@ class RegisteredWorker:
         self.stopping = False
         self.dtype = "float32"  # what the model computes in, once started
         self.registry: Any = None
-        self.weight_load_failures = 0  # published weights that could not be fetched (a metric)
+        self.weight_load_failures = 0  # checkpoints that could not be loaded (a metric)
+        self.transport = ""  # how pushed weights reach this worker, once a trainer set it up
         self._heartbeat: asyncio.Task | None = None
 
     async def register(self) -> None:
-        """Join the pool's registry (inside a Ray actor); load published weights first."""
+        """Join the pool's registry (inside a Ray actor); load a newer checkpoint first."""
         import ray
 
         from async_grpo.inference.client import get_registry_async
@@ -43,18 +44,15 @@ class RegisteredWorker:
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat(me))
 
     async def _join(self, me: Any) -> None:
-        """Register (again) and load the weights the registry says are newer than ours."""
+        """Register (again) and load the checkpoint the registry says is newer than ours."""
         latest = await self._ask_registry(
             self.registry.register.remote(
                 self.worker_id, me, self.capacity, self.version, socket.gethostname()
             ),
             "register",
         )
-        if latest is not None and await self.load_published(latest):
-            await self._ask_registry(
-                self.registry.heartbeat.remote(self.worker_id, self.version, self.in_flight),
-                "heartbeat",
-            )
+        if latest is not None and await self.load_checkpoint(*latest):
+            await self._ask_registry(self._heartbeat_ref(), "heartbeat")
 
     async def _ask_registry(self, ref: Any, what: str) -> Any:
         try:
@@ -65,42 +63,39 @@ class RegisteredWorker:
                 f" within {REGISTRY_CALL_TIMEOUT_S:.0f}s"
             ) from None
 
-    async def load_published(self, latest: tuple[int, list[Any]]) -> bool:
-        """Load `(version, [ObjectRef])` from the registry. If the object cannot be fetched
-        (e.g. its owner is gone), say so in one line and keep serving the current weights:
-        the trainer's next push brings this worker up to date."""
-        from ray.exceptions import GetTimeoutError, ObjectLostError
-
-        version, ref = latest
-        try:
-            state = await asyncio.wait_for(ref[0], timeout=FETCH_WEIGHTS_TIMEOUT_S)
-        except (ObjectLostError, GetTimeoutError, TimeoutError) as e:
+    async def load_checkpoint(self, version: int, hf_dir: str) -> bool:
+        """Serve the weights saved as `version` in `hf_dir`. If they cannot be loaded (the
+        folder is not on this node), say so in one line and keep serving the current
+        weights: the trainer's next push brings this worker up to date."""
+        if not os.path.exists(os.path.join(hf_dir, "config.json")):
             self.weight_load_failures += 1
             print(
-                f"{self.worker_id}: cannot load published weights version {version}"
-                f" ({type(e).__name__}); serving version {self.version} until the next push",
+                f"{self.worker_id}: checkpoint version {version} ({hf_dir}) is not readable"
+                f" here; serving version {self.version} until the next push",
                 flush=True,
             )
             return False
         if version > self.version:  # a push may have overtaken this load
-            await self.update_weights_from_state_dict(state, version)
+            await self.load_weights_dir(hf_dir, version)
         return True
+
+    async def load_weights_dir(self, hf_dir: str, version: int) -> int:
+        raise NotImplementedError
+
+    def _heartbeat_ref(self) -> Any:
+        return self.registry.heartbeat.remote(
+            self.worker_id, self.version, self.in_flight, self.transport
+        )
 
     async def _beat(self, me: Any) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                known = await self._ask_registry(
-                    self.registry.heartbeat.remote(self.worker_id, self.version, self.in_flight),
-                    "heartbeat",
-                )
+                known = await self._ask_registry(self._heartbeat_ref(), "heartbeat")
                 if not known:  # dropped (e.g. a slow heartbeat): join again
                     await self._join(me)
             except Exception as e:  # the registry may be restarting; keep serving
                 print(f"{self.worker_id}: heartbeat failed: {e}", flush=True)
-
-    async def update_weights_from_state_dict(self, state: Any, version: int) -> int:
-        raise NotImplementedError
 
     async def ping(self) -> dict[str, Any]:
         return {
@@ -111,6 +106,7 @@ class RegisteredWorker:
             "dtype": self.dtype,
             "stopping": self.stopping,
             "weight_load_failures": self.weight_load_failures,
+            "transport": self.transport,
         }
 
     async def drain(self, timeout_s: float) -> dict[str, int]:

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from async_grpo.config import VerifierConfig
+from async_grpo.faults import fault_point
 from async_grpo.rewards.registry import CombinedReward, RewardInput, RewardOutput, get_reward
 from async_grpo.rewards.sandbox import DEFAULT_MEMORY_BYTES, SandboxPool
 
@@ -34,9 +35,11 @@ class VerifierWorker:
         )
         self._sandbox = SandboxPool(scorer, cfg.max_concurrency, cfg.timeout_s, memory_bytes)
         self._stopping = False
+        self.spec = reward_spec(cfg)
 
     async def score(self, items: list[RewardInput]) -> list[RewardOutput]:
         """One combined output per item, in order."""
+        fault_point("verifier.score")
         return await self._sandbox.score_many(items)
 
     def stats(self) -> dict[str, int]:
@@ -48,13 +51,42 @@ class VerifierWorker:
         self._sandbox.close()
 
     def ping(self) -> dict[str, Any]:
-        return {"stopping": self._stopping, **self.stats()}
+        return {"stopping": self._stopping, "reward_spec": self.spec, **self.stats()}
 
     async def stop(self, drain_timeout_s: float = 30.0) -> dict[str, int]:
         """The pool-worker stop: no drain is needed beyond the per-sample timeout."""
         self._stopping = True
         self.close()
         return {"abandoned": 0}
+
+
+def reward_spec(cfg: VerifierConfig) -> str:
+    """What a verifier scores with, as one comparable line."""
+    weights = ", ".join(f"{k}={v:g}" for k, v in sorted(cfg.weights.items()))
+    spec = f"{'+'.join(cfg.rewards)} combined by {cfg.combine}"
+    return spec + (f" ({weights})" if cfg.combine == "weighted" else "")
+
+
+def check_verifiers(cfg: VerifierConfig, timeout_s: float = 60.0) -> int:
+    """The registered verifier workers score with `cfg`'s rewards, else a `ConfigError`
+    naming both (a worker started without the run's config scores with its defaults:
+    every sample an error or a wrong reward, silently). Returns the workers checked."""
+    import ray
+
+    from async_grpo.config import ConfigError
+    from async_grpo.inference.client import get_registry
+
+    handles = ray.get(get_registry("verifier").handles.remote(), timeout=timeout_s)
+    pings = ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
+    want = reward_spec(cfg)
+    for wid, ping in zip(handles, pings, strict=True):
+        if ping.get("reward_spec") != want:
+            raise ConfigError(
+                f"verifier.rewards: worker {wid} scores with {ping.get('reward_spec')!r}, this"
+                f" run with {want!r}; start the verifier workers with this run's config"
+                " (async-grpo worker --mode verifier --config FILE)"
+            )
+    return len(pings)
 
 
 class VerifierPool:

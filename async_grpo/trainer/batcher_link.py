@@ -44,6 +44,9 @@ class RemoteBatcher:
         """The generated, untrained groups of steps >= `from_step` (for a checkpoint)."""
         return self._call("pending", from_step)
 
+    def score_failure_reasons(self, step: int) -> list[str]:
+        return self._call("score_failure_reasons", step)
+
     def set_version(self, version: int) -> None:
         self._call("set_version", version)
 

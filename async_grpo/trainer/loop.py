@@ -11,6 +11,7 @@ sampling corrects for it); with 0 it is on-policy GRPO.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from async_grpo.batcher.types import EndOfBatch
 from async_grpo.config import RunConfig
 from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask, summarize_metrics
 from async_grpo.core.packing import pack
+from async_grpo.faults import fault_point
 
 
 def process_group_backend(device_type: str) -> str:
@@ -56,6 +58,7 @@ class Trainer:
         self.pending: dict[int, Any] = {}  # groups a checkpoint kept for the next steps
         self.attention_reason = ""
         self.pusher: Any = None
+        self.resumed_hf: str | None = None  # the checkpoint this run resumed from
         self.writer: Any = None
         self.bar: Any = None
         self.t_start = time.perf_counter()
@@ -65,28 +68,28 @@ class Trainer:
         from async_grpo.trainer import checkpoint
 
         info = checkpoint.load(path, self.policy, self.opt, self.sched)
+        self.resumed_hf = str(path / "hf")
         self.start = int(info["step"])
         self.samples_seen = int(info.get("samples_seen", 0))
         if self.rank == 0:
             self.pending = checkpoint.load_pending(path)
 
     def run(self) -> None:
-        from async_grpo.trainer.model import full_state_dict
-
         self.t_start = time.perf_counter()
-        state = full_state_dict(self.policy)
-        if self.rank == 0:  # the workers serve exactly the weights step `start` trains
+        if self.rank == 0:  # a late joiner must not load another run's checkpoint
+            self.pusher.announce_checkpoint(self.start, self.resumed_hf)
+        self.pusher.push(self.start)  # the workers serve exactly the weights step `start` trains
+        if self.rank == 0:
             from tqdm import tqdm
 
-            self.pusher.push(state, self.start)
             self._write_params()
             total = self.cfg.trainer.max_steps
             self.bar = tqdm(total=total, initial=self.start, desc="steps", dynamic_ncols=True)
             self.batcher.start(self.start, self.pending)
             self.batcher.set_version(self.start)
-        del state
         for step in range(self.start, self.cfg.trainer.max_steps):
             self.step(step)
+        self.pusher.close()  # the shared-memory slots, the broadcast group
         if self.rank == 0:
             self.batcher.stop()
             self.writer.close()
@@ -103,6 +106,7 @@ class Trainer:
             "trainer_activation_checkpointing": p.checkpointing,
             "generation_dtype": self.pusher.worker_dtypes,
             "weight_push_dtype": self.pusher.wire_dtype,
+            "weight_transports": self.pusher.transports,
         }
         extra = {"world_size": self.world, "resumed_from": self.start, "resolved": resolved}
         self.writer.write_params(asdict(self.cfg) | extra)
@@ -120,6 +124,7 @@ class Trainer:
             "reduce_passes": 0,
             "tokens": 0,
             "counts": [0, 0],
+            "received": 0,  # samples in this rank's minibatches, with a loss token or not
             "time/wait": 0.0,
             "time/forward_backward": 0.0,
         }
@@ -154,6 +159,7 @@ class Trainer:
             acc["counts"][0] += tokens
             acc["counts"][1] += samples
             acc["passes"] += 1
+            acc["received"] += len(item.samples)
             acc["tokens"] += item.num_tokens
             acc["time/forward_backward"] += time.perf_counter() - tf
 
@@ -173,6 +179,7 @@ class Trainer:
 
         t, t0 = self.cfg.trainer, time.perf_counter()
         eob, acc = self._accumulate()
+        fault_point("trainer.step")  # the fault suite's trainer crash: after fwd/bwd
         if eob.step != step or acc["passes"] != eob.num_minibatches:
             raise RuntimeError(
                 f"rank {self.rank}: step {step} ran {acc['passes']} minibatches, the batcher"
@@ -181,11 +188,18 @@ class Trainer:
         to = time.perf_counter()
         keys = sorted(acc["sums"])
         flat = torch.tensor(
-            [*acc["counts"], acc["tokens"], *(acc["sums"][k] for k in keys)], dtype=torch.float64
+            [*acc["counts"], acc["tokens"], acc["received"], *(acc["sums"][k] for k in keys)],
+            dtype=torch.float64,
         )  # host tensor: the default group carries cpu tensors over gloo on every device
         dist.all_reduce(flat)
         n_tok, n_seq, all_tokens = int(flat[0]), int(flat[1]), float(flat[2])
-        sums = dict(zip(keys, flat[3:].tolist(), strict=True))
+        received = int(flat[3])
+        sums = dict(zip(keys, flat[4:].tolist(), strict=True))
+        sent = eob.stats.get("samples/trained", received)
+        if received != sent:  # the books say each sample is trained once: check it
+            raise RuntimeError(
+                f"step {step}: the ranks received {received} samples, the batcher sent {sent:.0f}"
+            )
         n_tok, n_seq = n_tok + eob.skipped_tokens, n_seq + eob.skipped_samples
         if (n_tok, n_seq) != (eob.global_tokens, eob.global_samples):
             raise RuntimeError(
@@ -208,16 +222,17 @@ class Trainer:
         done = step + 1
         save = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
         push = done % t.push_every == 0 and done < t.max_steps
-        state = full_state_dict(self.policy) if (save or push) else {}
+        state = full_state_dict(self.policy) if save else {}
         pending = None
         if (save or push) and self.rank == 0 and self.cfg.batcher.max_off_policy_steps:
             tg = time.perf_counter()
             self.batcher.wait_generated()  # fixed lag: no step is generated by two versions
             timings["time/wait_generated"] = time.perf_counter() - tg
             pending = self.batcher.pending(done) if save else None
-        if push and self.rank == 0:
-            timings |= self.pusher.push(state, done)
-            self.batcher.set_version(done)
+        if push:  # a collective: every rank gathers, rank 0 sends
+            timings |= self.pusher.push(done)
+            if self.rank == 0:
+                self.batcher.set_version(done)
         if save:
             ts = time.perf_counter()
             counters = {"samples_seen": self.samples_seen}
@@ -233,6 +248,9 @@ class Trainer:
                 counters,
                 pending,
             )
+            if self.rank == 0 and self.pusher is not None:  # late joiners start from it
+                hf_dir = checkpoint.checkpoint_dir(self.cfg.output_dir, done) / "hf"
+                self.pusher.announce_checkpoint(done, str(hf_dir))
             timings["time/checkpoint"] = time.perf_counter() - ts
         elapsed = time.perf_counter() - t0
         summary = summarize_metrics(
@@ -262,7 +280,29 @@ class Trainer:
         if self.bar is not None:
             self.bar.set_postfix(reward=f"{eob.stats.get('reward/mean', 0.0):.3f}")
             self.bar.update(1)
+        if self.rank == 0:
+            self._check_scoring(step, eob.stats)
         return record
+
+    def _check_scoring(self, step: int, stats: dict[str, float]) -> None:
+        """Samples that failed to score (reward error or timeout) get reward 0: a warning
+        line below `verifier.max_error_fraction` of the step, a stop (exit 2) at it."""
+        from async_grpo.errors import UserError
+
+        failed, scored = (
+            stats.get("verifier/step_failures", 0),
+            stats.get("verifier/step_scored", 0),
+        )
+        if not failed:
+            return
+        reasons = "; ".join(self.batcher.score_failure_reasons(step)) or "?"
+        line = f"verifier: {failed:.0f}/{scored:.0f} samples failed to score in step {step + 1}: {reasons}"
+        if failed >= self.cfg.verifier.max_error_fraction * scored:
+            raise UserError(
+                f"{line} (verifier.max_error_fraction={self.cfg.verifier.max_error_fraction:g});"
+                " stopping instead of training on zero rewards"
+            )
+        print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:
@@ -304,6 +344,10 @@ def build_trainer(
     if not verbose:
         quiet_libraries()
     connect(address, log_to_driver=verbose)
+    if rank == 0:
+        from async_grpo.rewards.pool import check_verifiers
+
+        check_verifiers(cfg.verifier)
     model_dir = str(resolve_model(cfg.model))
     batcher = setup_batcher(
         cfg, model_dir, rank, world, None if verbose else log_dir(cfg.output_dir)
@@ -315,11 +359,12 @@ def build_trainer(
     trainer.attention_reason = reason
     if resume:
         trainer.resume(checkpoint.find_resume(cfg.output_dir, resume))
+    from async_grpo.trainer.push import WeightPusher
+
+    trainer.pusher = WeightPusher(policy, rank, t.device, t.weight_transport)
     if rank == 0:
         from async_grpo.metrics import MetricsWriter
-        from async_grpo.trainer.push import WeightPusher
 
-        trainer.pusher = WeightPusher(["generation"], "nccl" if t.device == "cuda" else "gloo")
         trainer.writer = MetricsWriter(
             cfg.output_dir, tensorboard=cfg.tensorboard, after_step=trainer.start
         )

@@ -1,10 +1,19 @@
-"""WeightPusher (trainer rank 0): full weights -> every generation worker, versioned.
+"""WeightPusher: the policy's weights -> every generation worker, versioned, streamed.
 
-The weight-sync group is (re)formed whenever the set of registered workers changes, so a
-worker that joins mid-run is in the next broadcast; before that it loads the weights
-published in the registry (a Ray object the registry owns, so it outlives this run).
-Tensors travel in the dtype the workers serve (each resolves `auto` on its own node);
-workers that disagree get fp32 and cast on load.
+Every trainer rank holds one and calls `push` (a collective): the parameters are gathered
+from their FSDP shards one at a time, in order, on the trainer's device. Rank 0 casts
+each into one of two reused slots (a chunk of whole layers per slot) and announces the
+chunk to the workers while it fills the other slot, so no rank ever holds more than two
+chunks beyond its shards, and rank 0 never builds a copy of the model.
+
+Each worker gets the chunks by the transport `transports.select.choose_transport` picked
+for it (shared memory or CUDA IPC where it shares the trainer's node or GPU, a broadcast
+group elsewhere), all in one push. The set of workers is re-read every push: a worker
+that joined since is connected then (until then it serves the newest checkpoint, see
+registry.announce_checkpoint). A worker that dies during a push is dropped from its
+registry and the push goes on without it; if it was in the broadcast group, the group is
+broken, so it is formed again without it and the push is sent again from the start (the
+survivors stay paused in between). Nothing is put in the Ray object store.
 """
 
 from __future__ import annotations
@@ -14,8 +23,9 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
-from async_grpo.weight_sync import WeightSyncGroup, metas_for
+from async_grpo.transports.base import CHUNK_BYTES, TensorMeta, plan_chunks, slot_bytes, view_at
 
 
 def _free_port() -> int:
@@ -24,61 +34,283 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class GroupBroken(RuntimeError):
+    """A member of the broadcast group died during a push."""
+
+
+def _again(flag: bool) -> bool:
+    """Rank 0 tells every rank whether the push is sent again (all ranks gather again)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)])  # host tensor: the default group carries cpu tensors
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (an all-gather across ranks for an FSDP shard)."""
+    full = getattr(param, "full_tensor", None)
+    return full() if callable(full) else param
+
+
 class WeightPusher:
     def __init__(
         self,
-        pools: list[str],
-        backend: str,
+        policy: nn.Module,
+        rank: int,
+        device: str = "cpu",
+        transport: str = "auto",
+        pools: tuple[str, ...] = ("generation",),
         timeout_s: float = 300.0,
-        publish: bool = True,
+        chunk_limit: int = CHUNK_BYTES,
+        worker_wait_s: float = 600.0,
     ) -> None:
-        from async_grpo.inference.client import get_registry
+        from async_grpo.trainer.model import PREFIX
 
-        self.registries = {p: get_registry(p) for p in pools}
-        self.backend, self.timeout_s, self.publish = backend, timeout_s, publish
+        # tied weights go under both names: on CPU vLLM keeps a repacked copy of the LM
+        # head, which is refreshed only when `lm_head.weight` itself arrives
+        named = policy.named_parameters(remove_duplicate=False)
+        self.params = [(n.removeprefix(PREFIX), p) for n, p in named]
+        self.rank, self.device, self.forced = rank, device, transport
+        self.timeout_s, self.chunk_limit, self.worker_wait_s = timeout_s, chunk_limit, worker_wait_s
+        self.registries: dict[str, Any] = {}
+        self.pool_of: dict[str, str] = {}  # worker id -> pool
+        self.lost: list[str] = []  # workers that died during pushes (a metric)
+        self.attempt = 0  # pushes sent, retries included: stale chunk calls are told apart
+        if rank == 0:
+            from async_grpo.inference.client import get_registry
+
+            self.registries = {p: get_registry(p) for p in pools}
         self.dtype = torch.float32
         self.worker_dtypes: dict[str, str] = {}
-        self.group: WeightSyncGroup | None = None
+        self.transports: dict[str, str] = {}  # worker id -> transport
         self.members: dict[str, Any] = {}
+        self.metas: list[TensorMeta] = []
+        self.chunks: list[list[int]] = []
+        self.slots: Any = None
+        self.group: Any = None
         self.last: dict[str, float] = {}
-
-    def _current_workers(self) -> dict[str, Any]:
-        import ray
-
-        handles: dict[str, Any] = {}
-        for reg in self.registries.values():
-            handles |= ray.get(reg.handles.remote(), timeout=60)
-        return handles
-
-    def _form_group(self, handles: dict[str, Any]) -> None:
-        import ray
-
-        if self.group is not None:
-            self.group.close()
-        sizes = ray.get([h.group_size.remote() for h in handles.values()], timeout=60)
-        pings = ray.get([h.ping.remote() for h in handles.values()], timeout=60)
-        self.worker_dtypes = {p["worker_id"]: p["dtype"] for p in pings}
-        served = set(self.worker_dtypes.values())
-        self.dtype = getattr(torch, served.pop() if len(served) == 1 else "float32")
-        world = 1 + sum(sizes)
-        host = ray.util.get_node_ip_address()
-        port = _free_port()
-        refs, offset = {}, 1
-        for (wid, h), size in zip(handles.items(), sizes, strict=True):
-            refs[wid] = h.init_weight_sync.remote(
-                host, port, offset, world, self.backend, self.timeout_s
-            )
-            offset += size
-        self.group = WeightSyncGroup(host, port, 0, world, self.backend, self.timeout_s)
-        self._wait(refs, "join the weight-sync group")
-        self.members = handles
+        self._gathered = 0  # parameters gathered so far in this push attempt (in order)
+        self.pack_s = 0.0  # rank 0's share of the last stream: gathering and casting
 
     @property
     def wire_dtype(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
-    def _wait(self, refs: dict[str, Any], what: str) -> list[Any]:
+    def push(self, version: int) -> dict[str, float]:
+        """Send the current weights as `version` (every rank calls this); rank 0 returns
+        timings (seconds), bytes and the transports used, the other ranks {}."""
+        if self.rank != 0:
+            while True:
+                for _, p in self.params:  # take part in every gather, in rank 0's order
+                    _full(p)
+                if not _again(False):
+                    return {}
+        t0 = time.perf_counter()
+        for tries_left in (1, 0):
+            self._gathered = 0
+            try:
+                t1, t2, sent, versions, drains = self._push_once(version)
+            except GroupBroken as e:  # the survivors are paused mid-update: send it again
+                if not tries_left:
+                    raise
+                print(f"weight push {version}: {e}; forming the group again, resending", flush=True)
+                for _, p in self.params[self._gathered :]:  # the other ranks gather them all
+                    _full(p)
+                self.close()
+                _again(True)
+                continue
+            _again(False)
+            break
+        t3 = time.perf_counter()
+        self.last = {
+            "time/weight_push": t3 - t1,
+            "time/weight_connect": t1 - t0,
+            "time/weight_drain": t2 - t1,
+            "time/weight_stream": t3 - t2,
+            "time/weight_pack": self.pack_s,
+            "weight_push_bytes": float(sent),
+            "worker_version/min": float(min(versions, default=-1)),
+            "worker_drain_s/max": float(max(drains, default=0.0)),
+            "weight_push_lost_workers": float(len(self.lost)),
+        }
+        for kind in ("broadcast", "shm", "cuda_ipc"):
+            self.last[f"weight_transport/{kind}"] = float(
+                sum(k == kind for k in self.transports.values())
+            )
+        return self.last
+
+    def _push_once(self, version: int) -> tuple[float, float, int, list[Any], list[Any]]:
+        """Connect (if the workers changed), pause, stream, finish; GroupBroken if a
+        broadcast member died on the way."""
+        handles = self._live_workers()
+        if set(handles) != set(self.members):
+            self._connect(handles)
+        self.attempt += 1
+        t1 = time.perf_counter()
+        drains = self._wait(
+            {
+                w: h.begin_update.remote(version, self.timeout_s, self.attempt)
+                for w, h in self.members.items()
+            },
+            f"pause for weights version {version}",
+        )
+        t2 = time.perf_counter()
+        sent = self._stream()
+        versions = self._wait(
+            {w: h.end_update.remote(version) for w, h in self.members.items()},
+            f"finish loading weights version {version}",
+        )
+        return t1, t2, sent, list(versions.values()), list(drains.values())
+
+    def _stream(self) -> int:
+        """Rank 0: gather, cast and announce every chunk, two slots in turn; bytes sent."""
+        in_slot: list[tuple[dict[str, Any], Any, int] | None] = [None, None]
+        sent = 0
+        self.pack_s = 0.0
+        for k, chunk in enumerate(self.chunks):
+            s = k % 2
+            if in_slot[s] is not None:  # every worker has loaded chunk k-2 from slot s
+                self._drain_slot(in_slot[s])
+            tp = time.perf_counter()
+            slot = self.slots.slot(s)
+            offset = 0
+            for i in chunk:
+                dst, offset = view_at(slot, offset, self.metas[i])
+                dst.copy_(_full(self.params[i][1]).detach())
+                self._gathered = i + 1
+            if self.device == "cuda":
+                torch.cuda.current_stream().synchronize()  # complete before others read it
+            self.pack_s += time.perf_counter() - tp
+            metas = [(m.name, list(m.shape), m.dtype) for m in (self.metas[i] for i in chunk)]
+            refs = {
+                w: h.load_chunk.remote(k, metas, s, offset, self.attempt)
+                for w, h in self.members.items()
+            }
+            work = self.group.broadcast(slot[:offset]) if self.group is not None else None
+            in_slot[s] = (refs, work, k)
+            sent += offset
+        for pending in sorted([p for p in in_slot if p is not None], key=lambda p: p[2]):
+            self._drain_slot(pending)
+        return sent
+
+    def _drain_slot(self, pending: tuple[dict[str, Any], Any, int]) -> None:
+        refs, work, k = pending
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as e:  # a peer's connection closed: it died
+                self._wait(refs, f"load weight chunk {k}", allow_lost=True)  # who it was
+                raise GroupBroken(f"the broadcast of chunk {k} failed ({e})") from None
+        self._wait(refs, f"load weight chunk {k}")
+
+    def _live_workers(self) -> dict[str, Any]:
+        """The registered workers that answer; a dead one is dropped from its registry (it
+        may be restarting). With none, wait up to `worker_wait_s` for one to register."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + self.worker_wait_s
+        while True:
+            live: dict[str, Any] = {}
+            for pool, reg in self.registries.items():
+                for wid, h in ray.get(reg.handles.remote(), timeout=60).items():
+                    try:
+                        ray.get(h.ping.remote(), timeout=60)
+                    except RayActorError:
+                        ray.get(reg.drop.remote(wid, "dead at a weight push"), timeout=60)
+                        continue
+                    except GetTimeoutError:
+                        pass  # alive but slow to answer: it joins the push
+                    live[wid] = h
+                    self.pool_of[wid] = pool
+            if live:
+                return live
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no live workers in pool(s) {list(self.registries)} to push to for"
+                    f" {self.worker_wait_s:.0f}s; start some (async-grpo worker --mode generation)"
+                )
+            time.sleep(2.0)
+
+    def _connect(self, handles: dict[str, Any]) -> None:
+        """Choose each worker's transport, size the slots, open every worker's end."""
+        import ray
+
+        from async_grpo.transports.select import Place, choose_transport, make_slots
+
+        self.close()
+        pings = self._wait({w: h.ping.remote() for w, h in handles.items()}, "answer a ping")
+        places = self._wait({w: h.place.remote() for w, h in handles.items()}, "report place")
+        sizes = self._wait({w: h.group_size.remote() for w, h in handles.items()}, "size")
+        handles = {w: h for w, h in handles.items() if w in sizes}  # the dead are left out
+        self.worker_dtypes = {p["worker_id"]: p["dtype"] for p in pings.values()}
+        served = set(self.worker_dtypes.values())
+        self.dtype = getattr(torch, served.pop() if len(served) == 1 else "float32")
+        self.metas = [
+            TensorMeta(n, tuple(p.shape), self.wire_dtype) for n, p in self.params
+        ]  # global shapes: a DTensor reports the whole parameter's
+        self.chunks = plan_chunks(self.metas, self.chunk_limit)
+        here = Place(ray.get_runtime_context().get_node_id(), self._device_id())
+        self.transports = {
+            w: choose_transport(self.forced, here, Place(*places[w]))[0] for w in handles
+        }
+        size = slot_bytes(self.metas, self.chunks)
+        self.slots = make_slots(set(self.transports.values()), size, self.device)
+        infos = self._infos(handles, [sizes[w] for w in handles], size)
+        refs = {w: handles[w].init_weight_transfer.remote(info) for w, info in infos.items()}
+        if any(k == "broadcast" for k in self.transports.values()):
+            from async_grpo.transports.broadcast import WeightSyncGroup
+
+            b = next(i for i in infos.values() if i["kind"] == "broadcast")
+            backend = b["backend"]
+            self.group = WeightSyncGroup(
+                b["host"], b["port"], 0, b["world_size"], backend, self.timeout_s
+            )
+        self.members = dict(handles)
+        self._wait(refs, "open their weight transport")
+
+    def _infos(
+        self, handles: dict[str, Any], sizes: list[int], slot_bytes: int
+    ) -> dict[str, dict[str, Any]]:
+        """Each worker's init info: broadcast ranks 1.. in worker order, TP shards apart."""
+        import ray
+
+        host, port = ray.util.get_node_ip_address(), _free_port()
+        remote = [
+            (w, n) for w, n in zip(handles, sizes, strict=True) if self.transports[w] == "broadcast"
+        ]
+        world = 1 + sum(n for _, n in remote)
+        infos, offset = {}, 1
+        for w, n in remote:
+            infos[w] = {
+                "kind": "broadcast",
+                "host": host,
+                "port": port,
+                "rank_offset": offset,
+                "world_size": world,
+                "backend": "nccl" if self.device == "cuda" else "gloo",
+                "timeout_s": self.timeout_s,
+                "slot_bytes": slot_bytes,
+            }
+            offset += n
+        for w in handles:
+            if self.transports[w] != "broadcast":
+                infos[w] = {"kind": self.transports[w], **self.slots.worker_info()}
+        return infos
+
+    def _device_id(self) -> str:
+        if self.device == "cpu":
+            return "cpu"
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+    def _wait(self, refs: dict[str, Any], what: str, allow_lost: bool = False) -> dict[str, Any]:
+        """Each worker's answer; a worker that died meanwhile is dropped (`_lose`) and has
+        none. GroupBroken if it was in the broadcast group (unless `allow_lost`)."""
+        import ray
+        from ray.exceptions import RayActorError
 
         ready, pending = ray.wait(
             list(refs.values()), num_returns=len(refs), timeout=self.timeout_s
@@ -86,49 +318,46 @@ class WeightPusher:
         if pending:
             late = [wid for wid, r in refs.items() if r in pending]
             raise TimeoutError(f"workers {late} did not {what} within {self.timeout_s:.0f}s")
-        return ray.get(ready)
+        answers, broken = {}, []
+        for wid, ref in refs.items():
+            try:
+                answers[wid] = ray.get(ref)
+            except RayActorError:
+                if self._lose(wid, what) == "broadcast":
+                    broken.append(wid)
+        if broken and not allow_lost:
+            raise GroupBroken(f"broadcast member(s) {broken} died while asked to {what}")
+        return answers
 
-    def _publish(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Keep `version` in each registry for late joiners. A registry copies the object
-        into one it owns: ours dies with this process, theirs outlives the run."""
+    def _lose(self, wid: str, what: str) -> str | None:
+        """Drop a worker that died during a push; returns the transport it had."""
         import ray
-        from ray.exceptions import GetTimeoutError
 
-        ref = ray.put({k: v.to(self.dtype) for k, v in state.items()})
-        refs = [reg.publish_weights.remote(version, [ref]) for reg in self.registries.values()]
-        try:
-            ray.get(refs, timeout=self.timeout_s)
-        except GetTimeoutError:
-            raise TimeoutError(
-                f"registries {list(self.registries)} did not keep weights version {version}"
-                f" within {self.timeout_s:.0f}s"
-            ) from None
+        print(
+            f"weight push: worker {wid} died while asked to {what}; going on without it",
+            flush=True,
+        )
+        self.lost.append(wid)
+        self.members.pop(wid, None)
+        pool = self.pool_of.get(wid)
+        if pool is not None:
+            reason = f"died during a weight push ({what})"
+            ray.get(self.registries[pool].drop.remote(wid, reason), timeout=60)
+        return self.transports.pop(wid, None)
 
-    def push(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Broadcast `state` as `version`; returns timings (seconds) and bytes."""
+    def announce_checkpoint(self, version: int, hf_dir: str | None) -> None:
+        """Rank 0: workers that join from now on load this checkpoint before serving
+        (None: no checkpoint of this run yet)."""
+        import ray
 
-        t0 = time.perf_counter()
-        handles = self._current_workers()
-        if not handles:
-            raise RuntimeError(f"no workers registered in {list(self.registries)} to push to")
-        if set(handles) != set(self.members):
-            self._form_group(handles)
-        t1 = time.perf_counter()
-        named = list(state.items())
-        metas = metas_for(named, self.dtype)
-        wire = [(m.name, m.shape, m.dtype) for m in metas]
-        refs = {wid: h.receive_weights.remote(wire, version) for wid, h in self.members.items()}
-        sent = self.group.send(named, metas)
-        versions = self._wait(refs, f"load weights version {version}")
-        t2 = time.perf_counter()
-        if self.publish:
-            self._publish(state, version)
-        t3 = time.perf_counter()
-        self.last = {
-            "time/weight_push": t2 - t1,
-            "time/weight_group": t1 - t0,
-            "time/weight_publish": t3 - t2,
-            "weight_push_bytes": float(sent),
-            "worker_version/min": float(min(versions)),
-        }
-        return self.last
+        refs = [r.announce_checkpoint.remote(version, hf_dir) for r in self.registries.values()]
+        ray.get(refs, timeout=60)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
+        self.members = {}

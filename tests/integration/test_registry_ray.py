@@ -1,20 +1,14 @@
-"""Registry and workers on a real local Ray cluster, with real log-prob workers (tiny model):
-published weights outlive their publisher, a worker survives weights it cannot fetch and
-loads them when it registers again, and leases of cancelled or dead callers come back.
+"""Registry and workers on a real local Ray cluster, with a real log-prob worker (tiny
+model): leases of cancelled or dead callers come back, dead workers are dropped.
 
 The tests share one cluster and one worker and run in file order."""
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 
 import pytest
-import torch
 
 from async_grpo.config import LogprobConfig
-from async_grpo.ray_utils import NAMESPACE
 
 pytestmark = pytest.mark.integration
 GRACE_S = 5.0  # lease grace of this test's registry: unbacked leases return within ~7 s
@@ -33,56 +27,6 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def state(tiny_model_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(tiny_model_dir / "model.safetensors"))
-
-
-def _driver(code: str) -> list:
-    """Run `code` in a separate driver process on this cluster, which then exits (as a
-    trainer does), and wait until Ray has noticed: returns `[ObjectRef]` of an object that
-    driver put, now unreadable (OwnerDiedError). Objects an actor put stayed readable after
-    ray.kill, and a driver's stay readable for a moment after it exits, hence the wait."""
-    import ray
-    from ray.exceptions import OwnerDiedError
-
-    address = ray.get_runtime_context().gcs_address
-    prelude = (
-        "import ray, torch\n"
-        "from safetensors.torch import load_file\n"
-        f"ray.init(address={address!r}, namespace={NAMESPACE!r})\n"
-    )
-    canary = (
-        "class Holder:\n"
-        "    def set(self, ref): self.ref = ref\n"
-        "    def get(self): return self.ref\n"
-        "h = ray.remote(Holder).options(name='canary', lifetime='detached').remote()\n"
-        "ray.get(h.set.remote([ray.put({'x': torch.ones(1 << 18)})]))\n"  # 1 MB: in the store
-    )
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    r = subprocess.run(
-        [sys.executable, "-c", prelude + code + canary],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    holder = ray.get_actor("canary", namespace=NAMESPACE)
-    dead = ray.get(holder.get.remote(), timeout=60)
-    ray.kill(holder)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(dead[0], timeout=10)
-        except OwnerDiedError:
-            return dead
-        time.sleep(0.2)
-    raise AssertionError("an object of an exited driver was still readable after 60s")
-
-
 def _kill(actor) -> None:
     """ray.kill, then wait until the actor is really gone (ray.kill does not wait)."""
     import ray
@@ -97,11 +41,6 @@ def _kill(actor) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("a killed actor still answers after 60s")
-
-
-def _marked(state, value):
-    name = next(k for k in state if k.endswith("embed_tokens.weight"))
-    return {**state, name: torch.full_like(state[name], value)}, name
 
 
 def _registry():
@@ -120,52 +59,11 @@ def _wait_for(what, predicate, timeout_s=60):
 
 @pytest.fixture(scope="module")
 def worker(cluster, tiny_model_dir):
-    """One log-prob worker that joins after a publisher that has since exited published
-    version 5: it must start and serve version 5 (not die with OwnerDiedError)."""
-
     from async_grpo.inference.launch import start_logprob_workers, stop_workers
 
-    _driver(  # what trainer rank 0 does (trainer/push.py), then it exits
-        "from async_grpo.trainer.push import WeightPusher\n"
-        f"state = load_file({str(tiny_model_dir / 'model.safetensors')!r})\n"
-        "WeightPusher(['logprob'], 'gloo')._publish(state, 5)\n"
-    )
     (w,) = start_logprob_workers(str(tiny_model_dir), LogprobConfig(threads=1), 1, timeout_s=300)
     yield w
     stop_workers([w], drain_timeout_s=5)
-
-
-def test_published_weights_outlive_their_publisher(worker):
-    import ray
-
-    ping = ray.get(worker.ping.remote(), timeout=60)
-    assert ping["version"] == 5 and ping["weight_load_failures"] == 0
-
-
-def test_worker_survives_weights_it_cannot_fetch(worker, state):
-    import ray
-
-    lost = _driver("")
-    assert ray.get(worker.load_published.remote((6, lost)), timeout=120) is False
-    ping = ray.get(worker.ping.remote(), timeout=60)
-    assert ping["version"] == 5 and ping["weight_load_failures"] == 1
-    out = ray.get(worker.logprobs.remote([([1, 2, 3], [4, 5])]), timeout=120)
-    assert len(out[0]) == 2  # still serving
-
-
-def test_dropped_worker_loads_published_weights_when_it_registers_again(worker, state):
-    """Dropped, it missed a push; its heartbeat registers it again and it loads version 7."""
-    import ray
-
-    registry = _registry()
-    wid = ray.get(worker.ping.remote())["worker_id"]
-    # published while the worker misses it (a push reaches registered workers only), then
-    # the worker is dropped: registering again, it must load version 7
-    ray.get(registry.publish_weights.remote(7, [ray.put(_marked(state, 0.25)[0])]), timeout=120)
-    ray.get(registry.drop.remote(wid, "test: dropped"))
-    _wait_for("version 7", lambda: ray.get(worker.ping.remote())["version"] == 7)
-    status = ray.get(registry.status.remote())
-    assert [(s.worker_id, s.version) for s in status] == [(wid, 7)]
 
 
 def _load():
@@ -272,3 +170,20 @@ def test_async_registry_wait_leaves_the_event_loop_free(cluster):
 
     asyncio.run(run())
     assert len(ticks) >= 10  # the loop kept running through the 2 s wait
+
+
+def test_a_verifier_with_other_rewards_stops_the_start(cluster):
+    """A verifier started without the run's config scores with its defaults; the trainer's
+    start-up check names both reward specs instead of training on all-zero rewards."""
+    from async_grpo.config import ConfigError, VerifierConfig
+    from async_grpo.inference.launch import start_verifier_workers, stop_workers
+    from async_grpo.rewards.pool import check_verifiers
+
+    workers = start_verifier_workers(VerifierConfig(), 1)  # defaults: countdown
+    try:
+        with pytest.raises(ConfigError) as e:
+            check_verifiers(VerifierConfig(rewards=["last_number"]))
+        assert "scores with 'countdown combined by sum', this run with 'last_number" in str(e.value)
+        assert check_verifiers(VerifierConfig()) == 1
+    finally:
+        stop_workers(workers, drain_timeout_s=5)

@@ -158,6 +158,29 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
         assert m["minibatches"] == 0  # a round empty on every rank is never run
 
 
+def test_a_step_where_every_sample_fails_to_score_stops_the_run(tiny_model_dir, tmp_path):
+    """Every sample's reward raises: the run stops after step 1 with one line giving the
+    count and the first reasons, exit 2, instead of training on zero rewards."""
+    cmd = run_command(
+        "quickstart.yaml",
+        f"model={tiny_model_dir}",
+        f"output_dir={tmp_path}",
+        "trainer.max_steps=3",
+        "batcher.questions_per_step=1",
+        "batcher.samples_per_question=4",
+        "generation.max_new_tokens=8",
+        "verifier.rewards=[rewards_for_tests:broken]",
+    )
+    env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert "verifier: 4/4 samples failed to score in step 1: error: KeyError" in out, out[-3000:]
+    assert "stopping instead of training on zero rewards" in out
+    rows = (tmp_path / "training_metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["verifier/step_failures"] == 4
+
+
 ASYNC = (
     "batcher.questions_per_step=2",
     "batcher.max_off_policy_steps=1",

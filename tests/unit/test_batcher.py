@@ -33,7 +33,7 @@ class ScriptedGeneration:
         self.calls: list[tuple[int, int]] = []  # (prompt length, version served)
         self.retries = 0
 
-    async def call(self, n, method, ids, n2, sampling):
+    async def call(self, n, method, ids, n2, sampling, on_retry=None):
         assert method == "generate" and n == n2
         await asyncio.sleep(0)
         if self.failures:
@@ -65,7 +65,7 @@ class ScriptedVerifier:
         self.equal = set(equal_prompt_lens)
         self.retries = 0
 
-    async def call(self, n, method, items):
+    async def call(self, n, method, items, on_retry=None):
         assert method == "score"
         if len(items[0].prompt) in self.equal:
             return [RewardOutput(1.0) for _ in items]
@@ -139,6 +139,19 @@ def test_two_ranks_get_equal_rounds_and_balanced_books():
     assert eobs[0].global_tokens == tokens + eobs[0].skipped_tokens
     assert eobs[0].global_samples == len(sent) + eobs[0].skipped_samples
     assert eobs[0].stats["samples"] == 16.0
+    _balanced(eobs[0].stats, planned=16, requested=16, trained=len(sent))
+
+
+def _balanced(stats, **expected):
+    """The step's sample books balance, and hold the `expected` samples/* counts."""
+    assert stats["samples/unaccounted"] == 0.0
+    came = stats["samples/requested"] + stats["samples/replayed"]
+    assert came == stats["samples/trained"] + stats["samples/skipped"] + stats["samples/dropped"]
+    delivered = stats["samples/trained"] + stats["samples/skipped"]
+    assert stats["samples/planned"] == delivered + stats["samples/missing"]
+    assert delivered == stats["samples"]
+    for key, value in expected.items():
+        assert stats[f"samples/{key}"] == value, key
 
 
 def test_equal_reward_groups_are_counted_not_sent_and_truncated_ones_masked():
@@ -177,7 +190,9 @@ def test_staleness_gate_and_stale_groups_regenerated():
     step0, step1, before_push, calls = _run(main())
     assert step0[0][-1].stats["dropped/stale"] == 4.0  # one group of 4, regenerated
     assert step0[0][-1].stats["samples"] == 16.0
+    _balanced(step0[0][-1].stats, requested=20, regenerated=4, generated=20, scored=16)
     assert "dropped/stale" not in step1[0][-1].stats  # counted in its own step only
+    _balanced(step1[0][-1].stats, requested=16, regenerated=0, dropped=0)
     assert before_push == 5  # step 0's 4 groups + 1 regeneration, nothing of step 1
     assert all(v == 1 for _, v in calls[5:])
 
@@ -186,13 +201,15 @@ def test_failed_attempts_are_retried_and_counted_in_their_step():
     fails = [PoolUnavailable("all busy"), TimeoutError("slow")]
     per_rank = _first_step(_cfg(), {"failures": fails})
     stats = per_rank[0][-1].stats
-    assert stats["dropped/group_error"] == 2.0
+    assert stats["dropped/group_error"] == 8.0  # two attempts of 4 samples
     assert stats["samples"] == 16.0  # both groups came back on a later attempt
+    _balanced(stats, requested=24, regenerated=8, generated=16, missing=0)
 
 
 def test_a_bad_request_drops_only_its_group():
     stats = _first_step(_cfg(), {"failures": [RequestError("prompt too long")]})[0][-1].stats
-    assert stats["dropped/bad_request"] == 1.0 and stats["samples"] == 12.0
+    assert stats["dropped/bad_request"] == 4.0 and stats["samples"] == 12.0
+    _balanced(stats, requested=16, generated=12, missing=4, dropped=4)
 
 
 def test_an_unexpected_error_reaches_every_waiting_rank():
@@ -230,7 +247,7 @@ def test_stop_cancels_and_awaits_groups_in_flight():
     started, finished = [], []
 
     class Hanging(ScriptedGeneration):
-        async def call(self, n, method, ids, n2, sampling):
+        async def call(self, n, method, ids, n2, sampling, on_retry=None):
             started.append(1)
             try:
                 await asyncio.sleep(3600)
@@ -307,4 +324,6 @@ def test_fixed_lag_pending_groups_replay_on_resume():
         )
 
     assert samples(again) == samples(sent)
+    _balanced(again[0][-1].stats, replayed=16, requested=0, generated=0)
+    _balanced(sent[0][-1].stats, replayed=0, requested=16)
     assert again[0][-1].global_tokens == sent[0][-1].global_tokens

@@ -78,6 +78,9 @@ def test_int_is_accepted_for_float():
         ("trainer.attention=flash", "trainer.attention: 'flash' cannot train on CPU"),
         ("logprob.attention=flash", "logprob.attention: 'flash' needs CUDA"),
         ("generation.dtype=bf16", "generation.dtype: expected one of"),
+        ("trainer.weight_transport=rdma", "trainer.weight_transport: expected one of"),
+        ("trainer.weight_transport=cuda_ipc", "trainer.weight_transport: 'cuda_ipc' cannot"),
+        ("generation.weight_transport=shm", "generation.weight_transport: expected one of"),
     ],
 )
 def test_bad_configs_name_the_key(override, message):

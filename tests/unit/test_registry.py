@@ -189,12 +189,15 @@ def test_worker_ids_are_unique_within_one_second():
     assert all(w.startswith("gen-") for w in a) and a[1].endswith("-1")
 
 
-def test_late_joiner_gets_the_published_weights():
+def test_late_joiner_gets_the_newest_checkpoint():
     async def run():
         reg = LeastLoadedRegistry("generation")
         assert await reg.register("a", "h", 4, version=0) is None
-        await reg.publish_weights(5, ["ref"])
-        assert await reg.register("b", "h", 4, version=0) == (5, ["ref"])
+        await reg.announce_checkpoint(5, "/out/checkpoints/step_5/hf")
+        await reg.announce_checkpoint(3, "/out/checkpoints/step_3/hf")  # late, older: ignored
+        assert await reg.register("b", "h", 4, version=0) == (5, "/out/checkpoints/step_5/hf")
         assert await reg.register("c", "h", 4, version=5) is None  # already current
+        await reg.announce_checkpoint(0, None)  # a new run starts: its versions count anew
+        assert await reg.register("d", "h", 4, version=0) is None
 
     asyncio.run(run())

