@@ -66,53 +66,66 @@ def run_worker(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.mode != "verifier" and args.model is None:
         args.model = cfg.model
+    from async_grpo.inference.launch import stop_workers
+    from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
+
     _connect(args.address)
     workers = _start(args, cfg)
     print(
         f"{len(workers)} {args.mode} worker(s) registered; Ctrl-C or `async-grpo stop` ends them",
         flush=True,
     )
-    stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    while not stop["now"] and _any_alive(workers):
-        time.sleep(1.0)
-    from async_grpo.inference.launch import stop_workers
-
-    stop_workers(workers)
+    supervisor = PoolSupervisor(cfg.max_worker_restarts)  # a dead worker is replaced
+    supervisor.watch(args.mode, workers, lambda: _start(args, cfg, 1))
+    stop = {"signal": 0}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: stop.update(signal=signum))
+    code = 0
+    try:
+        while not stop["signal"] and not _all_stopping(supervisor.workers):
+            time.sleep(1.0)
+            for line in supervisor.check():
+                print(line, flush=True)
+    except RestartLimit as e:
+        print(str(e), flush=True)
+        code = 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop undisturbed
+        signal.signal(sig, signal.SIG_IGN)
+    stop_workers(supervisor.workers)
     print(f"{args.mode} workers stopped", flush=True)
-    return 0
+    return 128 + stop["signal"] if stop["signal"] else code
 
 
-def _start(args: argparse.Namespace, cfg: Any) -> list[Any]:
+def _start(args: argparse.Namespace, cfg: Any, n: int | None = None) -> list[Any]:
     from async_grpo.inference import launch
 
     if args.mode == "verifier":
-        n = args.num_workers or cfg.verifier.num_workers
+        n = n or args.num_workers or cfg.verifier.num_workers
         return launch.start_verifier_workers(cfg.verifier, n, detached=False)
     from async_grpo.models import resolve_model
 
     model = str(resolve_model(args.model))
     if args.mode == "generation":
-        n = args.num_workers or cfg.generation.num_workers
+        n = n or args.num_workers or cfg.generation.num_workers
         return launch.start_generation_workers(model, cfg.generation, n, args.device)
-    n = args.num_workers or cfg.logprob.num_workers
+    n = n or args.num_workers or cfg.logprob.num_workers
     return launch.start_logprob_workers(
         model, cfg.logprob, n, args.device, cfg.trainer.loss.temperature
     )
 
 
-def _any_alive(workers: list[Any]) -> bool:
+def _all_stopping(workers: list[Any]) -> bool:
+    """Every worker was told to stop (`async-grpo stop`); a dead one is not: the
+    supervisor replaces it."""
     import ray
 
-    alive = 0
     for w in workers:
         try:
-            state = ray.get(w.ping.remote(), timeout=30)
-            alive += not state.get("stopping", False)
-        except Exception:  # dead or unreachable: counts as stopped
-            pass
-    return alive > 0
+            if not ray.get(w.ping.remote(), timeout=30).get("stopping", False):
+                return False
+        except Exception:  # dead or unreachable: not a stop
+            return False
+    return True
 
 
 def _registries() -> dict[str, Any]:

@@ -11,9 +11,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from _cli import CLI, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,3 +50,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ray_head():
+    """A private head node: `ray start --block` in the foreground, so that ending it ends
+    exactly this cluster (`ray stop` would end every Ray process of the user)."""
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    temp = tempfile.mkdtemp(prefix="rg", dir="/tmp")  # short: Unix socket paths are limited
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--include-dashboard=false",
+            "--num-cpus=4",
+            f"--object-store-memory={256 << 20}",
+            f"--temp-dir={temp}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while (
+        subprocess.run(
+            [*CLI, "status", "--address", address], env=env, capture_output=True, timeout=120
+        ).returncode
+        != 0
+    ):
+        assert head.poll() is None and time.monotonic() < deadline, "ray head did not start"
+        time.sleep(2)
+    yield address, env
+    head.terminate()
+    head.wait(timeout=60)
+    shutil.rmtree(temp, ignore_errors=True)

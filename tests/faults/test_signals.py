@@ -1,78 +1,40 @@
-"""Ctrl-C during `async-grpo run` leaves no process behind: no raylet, no engine, no rank."""
+"""Ctrl-C, SIGTERM, SIGHUP or even SIGKILL of `async-grpo run` leaves no process of the
+run behind (counted by a tag every process of the run inherits): no raylet, no engine, no
+rank. The first three stop it like Ctrl-C (exit 128 + the signal); after SIGKILL the
+watchdog beside the head kills the head's and the trainer's groups."""
 
-import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from _cli import run_command
+from _faults import assert_all_gone, finish, run_pids, start, tiny_run, wait_for_steps
 
-pytestmark = pytest.mark.integration
-MARKERS = (
-    "raylet",
-    "gcs_server",
-    "ray::",
-    "EngineCore",
-    "async_grpo.cli train",
-    "torch.distributed.run",
-    "default_worker.py",
-    "_child_main",
+pytestmark = pytest.mark.faults
+
+
+@pytest.mark.parametrize(
+    "sig, code, line",
+    [
+        (signal.SIGINT, 130, "interrupted: stopping"),
+        (signal.SIGTERM, 143, "stopped by SIGTERM: stopping"),
+        (signal.SIGHUP, 129, "stopped by SIGHUP: stopping"),
+        (signal.SIGKILL, -9, ""),
+    ],
+    ids=lambda v: v.name if isinstance(v, signal.Signals) else "",
 )
-
-
-def _ray_like_pids() -> set[int]:
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore")
-        except OSError:
-            continue
-        if any(m in cmd for m in MARKERS):
-            pids.add(int(entry.name))
-    return pids
-
-
-def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
-    before = _ray_like_pids()
-    proc = subprocess.Popen(
-        run_command(
-            "quickstart.yaml",
-            f"model={tiny_model_dir}",
-            f"output_dir={tmp_path}",
-            "trainer.max_steps=1000",
-            "batcher.questions_per_step=1",
-            "batcher.samples_per_question=4",
-            "generation.max_new_tokens=16",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def test_a_signal_stops_everything(sig, code, line, tiny_model_dir, tmp_path):
+    cmd = tiny_run(tiny_model_dir, tmp_path, "trainer.max_steps=1000", "trainer.save_every=0")
+    proc, tag = start(cmd, tmp_path)
     try:
-        deadline = time.monotonic() + 600
-        metrics = tmp_path / "training_metrics.jsonl"  # created at start-up, empty
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # a step done
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            assert time.monotonic() < deadline, "no training step within 600s"
-            time.sleep(2)
-        assert _ray_like_pids() - before  # the run did start Ray, engines and ranks
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 130, out[-4000:]
-        assert "interrupted: stopping" in out
+        wait_for_steps(proc, tmp_path, 1)
+        assert len(run_pids(tag)) >= 6  # the run did start Ray, engines and a rank
+        t = time.monotonic()
+        proc.send_signal(sig)
+        out = finish(proc, tmp_path, timeout_s=180)
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 60
-    while (left := _ray_like_pids() - before) and time.monotonic() < deadline:
-        time.sleep(1)
-    names = {
-        p: Path(f"/proc/{p}/cmdline").read_bytes()[:120]
-        for p in left
-        if os.path.exists(f"/proc/{p}")
-    }
-    assert not names, f"left behind: {names}"
+    assert proc.returncode == code, out[-4000:]
+    assert line in out
+    assert_all_gone(tag)
+    print(f"{sig.name}: every process of the run gone {time.monotonic() - t:.1f}s after it")

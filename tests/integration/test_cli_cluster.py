@@ -1,65 +1,13 @@
 """`async-grpo worker / status / stop` against a real `ray start --head` cluster."""
 
 import os
-import shutil
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
-from _cli import REPO, run_command
+from _cli import CLI, REPO, free_port, run_command
 
 pytestmark = pytest.mark.integration
-CLI = [sys.executable, "-m", "async_grpo.cli"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def ray_head():
-    """A private head node: `ray start --block` in the foreground, so that ending it ends
-    exactly this cluster (`ray stop` would end every Ray process of the user)."""
-    port = _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    temp = tempfile.mkdtemp(prefix="rg", dir="/tmp")  # short: Unix socket paths are limited
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    head = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address=127.0.0.1",
-            f"--port={port}",
-            "--include-dashboard=false",
-            "--num-cpus=4",
-            f"--object-store-memory={256 << 20}",
-            f"--temp-dir={temp}",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while (
-        subprocess.run(
-            [*CLI, "status", "--address", address], env=env, capture_output=True, timeout=120
-        ).returncode
-        != 0
-    ):
-        assert head.poll() is None and time.monotonic() < deadline, "ray head did not start"
-        time.sleep(2)
-    yield address, env
-    head.terminate()
-    head.wait(timeout=60)
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _wait_for_line(proc, text, timeout_s=180):
@@ -120,7 +68,7 @@ def test_worker_status_stop(ray_head, tiny_model_dir):
 
 def test_no_cluster_is_one_line_exit_2():
     r = subprocess.run(
-        [*CLI, "status", "--address", f"127.0.0.1:{_free_port()}"],
+        [*CLI, "status", "--address", f"127.0.0.1:{free_port()}"],
         capture_output=True,
         text=True,
         timeout=120,

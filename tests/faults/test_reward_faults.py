@@ -1,0 +1,40 @@
+"""A reward function that hangs, crashes its process or asks for 10 GB, on every sample:
+each sample is scored 0 with the cause (the verifier's timeout, the dead process, the
+memory limit), and since every sample of step 1 failed, the run stops with one line that
+gives the count and the first reasons, exit 2, within a bound; no process is left."""
+
+import time
+
+import pytest
+from _faults import assert_all_gone, finish, rows, start, tiny_run
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.mark.parametrize(
+    "reward, reason",
+    [
+        ("hangs", "timeout"),
+        ("segfaults", "error: scoring process died (code=-11)"),
+        ("hogs_memory", "error: MemoryError"),
+    ],
+)
+def test_a_broken_reward_stops_the_run_with_its_reason(reward, reason, tiny_model_dir, tmp_path):
+    cmd = tiny_run(
+        tiny_model_dir,
+        tmp_path,
+        "trainer.max_steps=3",
+        "generation.max_new_tokens=8",
+        f"verifier.rewards=[rewards_for_tests:{reward}]",
+        "verifier.timeout_s=3",
+    )
+    t = time.monotonic()
+    proc, tag = start(cmd, tmp_path)
+    out = finish(proc, tmp_path, timeout_s=600)
+    took = time.monotonic() - t
+    assert proc.returncode == 2, out[-4000:]
+    assert f"verifier: 4/4 samples failed to score in step 1: {reason}" in out, out[-4000:]
+    (step,) = rows(tmp_path)
+    assert step["verifier/step_failures"] == 4
+    gone = assert_all_gone(tag)
+    print(f"{reward}: run stopped after {took:.0f}s, every process gone {gone:.1f}s later")

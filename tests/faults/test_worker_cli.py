@@ -1,0 +1,66 @@
+"""`async-grpo worker` on a cluster node: a worker it started that dies is replaced (the
+same supervisor as `async-grpo run`), and SIGHUP or SIGTERM stops its workers like Ctrl-C,
+exit 128 + the signal, leaving no worker process behind."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from _cli import CLI
+
+pytestmark = pytest.mark.faults
+
+
+def _verifier_pids() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if cmd.startswith(b"ray::VerifierWorker"):
+                found.add(int(entry.name))
+    return found
+
+
+def _line(proc, text, timeout_s=180):
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        seen.append(proc.stdout.readline())
+        if text in seen[-1]:
+            return
+    raise AssertionError(f"no line {text!r} from `async-grpo worker`: {''.join(seen)[-3000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_worker_command_replaces_the_dead_and_stops_on_a_signal(ray_head, sig):
+    address, env = ray_head
+    before = _verifier_pids()
+    proc = subprocess.Popen(
+        [*CLI, "worker", "--mode", "verifier", "--address", address],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _line(proc, "1 verifier worker(s) registered")
+        (victim,) = _verifier_pids() - before
+        os.kill(victim, signal.SIGKILL)
+        _line(proc, "pool 'verifier': a worker died; started a new one (1/3 restarts)", 60)
+        assert len(_verifier_pids() - before - {victim}) == 1
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert "verifier workers stopped" in out
+    deadline = time.monotonic() + 60
+    while (left := _verifier_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"verifier workers left behind: {left}"
