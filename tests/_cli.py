@@ -1,7 +1,9 @@
-"""The argv of `async-grpo run` as the integration tests start it (this interpreter)."""
+"""Helpers of the tests that start the CLI: its argv, a free port, its output lines."""
 
+import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,3 +26,18 @@ def run_command(config: str, *overrides: str) -> list[str]:
         str(REPO / "configs" / config),
         *overrides,
     ]
+
+
+def wait_for_line(proc, text, timeout_s=180):
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        seen.append(proc.stdout.readline())
+        if text in seen[-1]:
+            return
+    raise AssertionError(f"no line {text!r} from the worker command: {''.join(seen)[-3000:]}")
+
+
+def plugin_env() -> dict[str, str]:
+    """This environment with the test reward plugins (tests/integration/plugins) importable."""
+    path = f"{REPO / 'tests' / 'integration' / 'plugins'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return {**os.environ, "PYTHONPATH": path}

@@ -24,6 +24,7 @@ from async_grpo.batcher.types import EndOfBatch
 from async_grpo.config import RunConfig
 from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask, summarize_metrics
 from async_grpo.core.packing import pack
+from async_grpo.errors import UserError
 from async_grpo.faults import fault_point
 
 
@@ -282,13 +283,16 @@ class Trainer:
             self.bar.update(1)
         if self.rank == 0:
             self._check_scoring(step, eob.stats)
+            line = lost_groups(step, eob.stats)
+            if line and eob.stats.get("samples", 0) == 0:
+                raise UserError(f"{line}; stopping instead of training on nothing")
+            if line:
+                print(f"warning: {line}", file=sys.stderr, flush=True)
         return record
 
     def _check_scoring(self, step: int, stats: dict[str, float]) -> None:
         """Samples that failed to score (reward error or timeout) get reward 0: a warning
         line below `verifier.max_error_fraction` of the step, a stop (exit 2) at it."""
-        from async_grpo.errors import UserError
-
         failed, scored = (
             stats.get("verifier/step_failures", 0),
             stats.get("verifier/step_scored", 0),
@@ -303,6 +307,24 @@ class Trainer:
                 " stopping instead of training on zero rewards"
             )
         print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def lost_groups(step: int, stats: dict[str, float]) -> str | None:
+    """One line if groups of `step` were given up (every attempt failed), with the drops by
+    reason; None if every group arrived."""
+    missing = stats.get("samples/missing", 0)
+    if not missing:
+        return None
+    drops = ", ".join(
+        f"{k.removeprefix('dropped/')} {v:.0f}"
+        for k, v in sorted(stats.items())
+        if k.startswith("dropped/") and v
+    )
+    planned = stats.get("samples/planned", 0)
+    return (
+        f"generation: {missing:.0f}/{planned:.0f} samples of step {step + 1} never arrived"
+        f" (dropped samples by reason: {drops or 'none'}; see OUTPUT_DIR/logs/batcher.log)"
+    )
 
 
 def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:

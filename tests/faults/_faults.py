@@ -3,16 +3,14 @@ process of that run (by an environment tag each one inherits, not by name), read
 metrics and check the sample books."""
 
 import json
-import os
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
-from _cli import REPO, run_command
+from _cli import plugin_env, run_command
 
 TAG = "ASYNC_GRPO_TEST_RUN"
-PLUGINS = REPO / "tests" / "integration" / "plugins"
 
 
 def tiny_run(model_dir: Path, out: Path, *overrides: str) -> list[str]:
@@ -37,11 +35,10 @@ def start(cmd: list[str], out: Path, faults: str = "") -> tuple[subprocess.Popen
     tag = uuid.uuid4().hex
     (out / "faults").mkdir(parents=True, exist_ok=True)
     env = {
-        **os.environ,
+        **plugin_env(),
         TAG: tag,
         "ASYNC_GRPO_FAULTS": faults,
         "ASYNC_GRPO_FAULT_DIR": str(out / "faults"),
-        "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cli import CLI
+from _cli import CLI, wait_for_line
 
 pytestmark = pytest.mark.faults
 
@@ -27,15 +27,6 @@ def _verifier_pids() -> set[int]:
     return found
 
 
-def _line(proc, text, timeout_s=180):
-    deadline, seen = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline and proc.poll() is None:
-        seen.append(proc.stdout.readline())
-        if text in seen[-1]:
-            return
-    raise AssertionError(f"no line {text!r} from `async-grpo worker`: {''.join(seen)[-3000:]}")
-
-
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_worker_command_replaces_the_dead_and_stops_on_a_signal(ray_head, sig):
     address, env = ray_head
@@ -48,10 +39,10 @@ def test_a_worker_command_replaces_the_dead_and_stops_on_a_signal(ray_head, sig)
         text=True,
     )
     try:
-        _line(proc, "1 verifier worker(s) registered")
+        wait_for_line(proc, "1 verifier worker(s) registered")
         (victim,) = _verifier_pids() - before
         os.kill(victim, signal.SIGKILL)
-        _line(proc, "pool 'verifier': a worker died; started a new one (1/3 restarts)", 60)
+        wait_for_line(proc, "pool 'verifier': a worker died; started a new one (1/3 restarts)", 60)
         assert len(_verifier_pids() - before - {victim}) == 1
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=120)

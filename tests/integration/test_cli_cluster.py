@@ -5,18 +5,9 @@ import subprocess
 import time
 
 import pytest
-from _cli import CLI, REPO, free_port, run_command
+from _cli import CLI, REPO, free_port, run_command, wait_for_line
 
 pytestmark = pytest.mark.integration
-
-
-def _wait_for_line(proc, text, timeout_s=180):
-    deadline, seen = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline and proc.poll() is None:
-        seen.append(proc.stdout.readline())
-        if text in seen[-1]:
-            return
-    raise AssertionError(f"no line {text!r} from the worker command: {''.join(seen)[-3000:]}")
 
 
 def test_worker_status_stop(ray_head, tiny_model_dir):
@@ -47,12 +38,12 @@ def test_worker_status_stop(ray_head, tiny_model_dir):
         text=True,
     )
     try:
-        _wait_for_line(worker, "2 logprob worker(s) registered")
+        wait_for_line(worker, "2 logprob worker(s) registered")
         status = _cli("status", address, env)
         assert status.returncode == 0, status.stderr
         rows = [r for r in status.stdout.splitlines() if r.startswith("logprob")]
         assert len(rows) == 2 and all(" 0/256 " in r for r in rows), status.stdout
-        _wait_for_line(verifier, "1 verifier worker(s) registered")
+        wait_for_line(verifier, "1 verifier worker(s) registered")
         status = _cli("status", address, env)
         assert sum(r.startswith("verifier") for r in status.stdout.splitlines()) == 1
         stop = _cli("stop", address, env)
@@ -123,7 +114,7 @@ def test_second_run_on_a_live_cluster_then_a_late_worker(ray_head, tiny_model_di
     address, env = ray_head
     workers = [_generation_worker(address, env, tiny_model_dir)]
     try:
-        _wait_for_line(workers[0], "1 generation worker(s) registered", 600)
+        wait_for_line(workers[0], "1 generation worker(s) registered", 600)
         for name in ("first", "second"):
             t = time.monotonic()
             r = subprocess.run(
@@ -155,7 +146,7 @@ def test_second_run_on_a_live_cluster_then_a_late_worker(ray_head, tiny_model_di
             assert [(row[2], row[3]) for row in rows] == [("0/64", "1")], rows
             assert _status_rows(address, env, "verifier") == []
         workers.append(_generation_worker(address, env, tiny_model_dir))
-        _wait_for_line(workers[1], "1 generation worker(s) registered", 600)
+        wait_for_line(workers[1], "1 generation worker(s) registered", 600)
         rows = _status_rows(address, env, "generation")
         assert len({row[1] for row in rows}) == 2, rows  # two ids
         # the late one loaded the second run's final checkpoint (version 2, saved after its

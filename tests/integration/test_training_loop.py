@@ -8,15 +8,12 @@ which can flip a seeded sample of a near-uniform random model. Exact resume is e
 that engine nondeterminism."""
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
-from _cli import run_command
+from _cli import plugin_env, run_command
 
 pytestmark = pytest.mark.integration
-PLUGINS = Path(__file__).with_name("plugins")
 
 
 def _run(tiny_model_dir, out, steps, *extra):
@@ -39,8 +36,7 @@ def _run(tiny_model_dir, out, steps, *extra):
         "verifier.rewards=[rewards_for_tests:vowel_share]",
         *extra,
     )
-    env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     (out / "console.txt").write_text(r.stdout + r.stderr)
     return [json.loads(line) for line in (out / "training_metrics.jsonl").read_text().splitlines()]
@@ -171,8 +167,7 @@ def test_a_step_where_every_sample_fails_to_score_stops_the_run(tiny_model_dir, 
         "generation.max_new_tokens=8",
         "verifier.rewards=[rewards_for_tests:broken]",
     )
-    env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]
     assert "verifier: 4/4 samples failed to score in step 1: error: KeyError" in out, out[-3000:]

@@ -327,3 +327,23 @@ def test_fixed_lag_pending_groups_replay_on_resume():
     _balanced(again[0][-1].stats, replayed=16, requested=0, generated=0)
     _balanced(sent[0][-1].stats, replayed=0, requested=16)
     assert again[0][-1].global_tokens == sent[0][-1].global_tokens
+
+
+def test_lost_groups_are_one_line_with_the_drops_by_reason():
+    from async_grpo.batcher.batcher import ledger
+    from async_grpo.trainer.loop import lost_groups
+
+    books = {
+        "samples/planned": 8,
+        "samples/requested": 16,
+        "samples/regenerated": 12,
+        "samples/missing": 4,
+        "samples/trained": 4,
+        "dropped/group_error": 12,
+    }
+    stats = ledger(books)
+    assert stats["samples/unaccounted"] == 0
+    line = lost_groups(0, stats)
+    assert line.startswith("generation: 4/8 samples of step 1 never arrived")
+    assert "group_error 12" in line
+    assert lost_groups(0, ledger({"samples/planned": 8, "samples/trained": 8})) is None
