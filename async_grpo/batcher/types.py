@@ -67,3 +67,12 @@ class EndOfBatch:
     stats: dict[str, float] = field(default_factory=dict)
     skipped_tokens: int = 0
     skipped_samples: int = 0
+
+
+@dataclass
+class PushNow:
+    """Sent to every rank between the same two minibatches when a generation worker serves
+    an older policy version than `version` (a replacement, a late joiner): each rank pushes
+    the weights it holds now (a collective), mid-step, before reading on."""
+
+    version: int

@@ -96,10 +96,17 @@ class PoolClient:
             self._registry = await get_registry_async(self.pool)
 
     async def call(
-        self, n: int, method: str, *args: Any, on_retry: Any = None, **kwargs: Any
+        self,
+        n: int,
+        method: str,
+        *args: Any,
+        on_retry: Any = None,
+        min_version: int = -1,
+        **kwargs: Any,
     ) -> Any:
-        """`method(*args, **kwargs)` on a leased worker; `on_retry()` is called each time
-        the request is sent again because its worker died."""
+        """`method(*args, **kwargs)` on a leased worker that serves policy version
+        `min_version` or newer; `on_retry()` is called each time the request is sent again
+        because its worker died."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         await self.connect()
@@ -107,7 +114,7 @@ class PoolClient:
         for _ in range(self.max_retries + 1):
             lease_id = uuid.uuid4().hex
             granted = self._registry.lease.remote(
-                n, self.lease_timeout_s, self.call_timeout_s + LEASE_SLACK_S, lease_id
+                n, self.lease_timeout_s, self.call_timeout_s + LEASE_SLACK_S, lease_id, min_version
             )
             try:
                 _, worker_id, handle = await self._ask_registry(

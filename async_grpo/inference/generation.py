@@ -291,6 +291,7 @@ class GenerationWorker(RegisteredWorker):
         if not await self.engine.reset_prefix_cache():  # nothing runs: this must succeed
             self.prefix_reset_failures += 1
         self.version = version
+        await self.report_version()
 
     async def _resume(self) -> None:
         await self.engine.resume_generation()

@@ -162,11 +162,14 @@ class LeastLoadedRegistry:
         timeout_s: float,
         hold_s: float = DEFAULT_HOLD_S,
         lease_id: str | None = None,
+        min_version: int = -1,
     ) -> tuple[str, str, Any]:
-        """The least-loaded live worker with room for `n` sequences, as (lease id, worker
-        id, handle); waits up to `timeout_s`. The lease expires after `hold_s` unless
-        released first. A caller may choose `lease_id` so it can release a lease whose
-        grant it never saw (it was cancelled while waiting)."""
+        """The least-loaded live worker with room for `n` sequences that serves policy
+        version `min_version` or newer, as (lease id, worker id, handle); waits up to
+        `timeout_s`. A worker behind it (a replacement, a late joiner) is not leased until
+        a push brings it up. The lease expires after `hold_s` unless released first. A
+        caller may choose `lease_id` so it can release a lease whose grant it never saw
+        (it was cancelled while waiting)."""
         lease_id = lease_id or uuid.uuid4().hex
         deadline = time.monotonic() + timeout_s
         async with self._changed:
@@ -183,7 +186,7 @@ class LeastLoadedRegistry:
                 room = [
                     (w.load / w.capacity, wid)
                     for wid, w in self._workers.items()
-                    if w.capacity - w.load >= n
+                    if w.capacity - w.load >= n and w.version >= min_version
                 ]
                 if room:
                     _, wid = min(room)
@@ -193,7 +196,10 @@ class LeastLoadedRegistry:
                     return lease_id, wid, self._workers[wid].handle
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    behind = sum(w.version < min_version for w in self._workers.values())
                     what = "no live workers" if not self._workers else "all workers busy"
+                    if behind:
+                        what = f"{behind} worker(s) behind version {min_version}"
                     raise PoolUnavailable(
                         f"pool {self.pool!r}: waited {timeout_s:.0f}s to lease {n} sequences"
                         f" ({what}; dropped: {self.dropped or 'none'})"

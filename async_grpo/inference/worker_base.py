@@ -87,6 +87,16 @@ class RegisteredWorker:
             self.worker_id, self.version, self.in_flight, self.transport
         )
 
+    async def report_version(self) -> None:
+        """Tell the registry the version now served at once (not at the next heartbeat):
+        leases that need it wait on this. A failure only delays it to the next beat."""
+        if self.registry is None:
+            return
+        try:
+            await self._ask_registry(self._heartbeat_ref(), "heartbeat")
+        except Exception as e:
+            print(f"{self.worker_id}: version {self.version} not reported yet: {e}", flush=True)
+
     async def _beat(self, me: Any) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)

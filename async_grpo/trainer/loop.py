@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from async_grpo.batcher.types import EndOfBatch
+from async_grpo.batcher.types import EndOfBatch, PushNow
 from async_grpo.config import RunConfig
 from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask, summarize_metrics
 from async_grpo.core.packing import pack
@@ -117,7 +117,7 @@ class Trainer:
             flush=True,
         )
 
-    def _accumulate(self) -> tuple[EndOfBatch, dict[str, Any]]:
+    def _accumulate(self, step: int) -> tuple[EndOfBatch, dict[str, Any]]:
         """Forward/backward every minibatch of the step; returns its EndOfBatch and sums."""
         acc: dict[str, Any] = {
             "sums": defaultdict(float),
@@ -128,6 +128,8 @@ class Trainer:
             "received": 0,  # samples in this rank's minibatches, with a loss token or not
             "time/wait": 0.0,
             "time/forward_backward": 0.0,
+            "weight_catch_up_pushes": 0,
+            "time/weight_catch_up": 0.0,
         }
         mask_truncated = self.cfg.trainer.loss.mask_truncated
         use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
@@ -137,6 +139,9 @@ class Trainer:
             tw = time.perf_counter()
             item = self.batcher.next()
             acc["time/wait"] += time.perf_counter() - tw
+            if isinstance(item, PushNow):
+                self._catch_up(step, acc)
+                continue
             if isinstance(item, EndOfBatch):
                 if unreduced:  # the last round was streamed, so not marked: reduce now
                     self._reduce_pass()
@@ -164,6 +169,25 @@ class Trainer:
             acc["tokens"] += item.num_tokens
             acc["time/forward_backward"] += time.perf_counter() - tf
 
+    def _catch_up(self, step: int, acc: dict[str, Any]) -> None:
+        """A PushNow (every rank gets it between the same two minibatches): push the
+        weights held now, which are version `step` (no optimizer step has run since), if
+        rank 0 still finds a worker behind it; the up-to-date workers reload the same
+        version. Gradients accumulated so far are untouched."""
+        from async_grpo.trainer.push import rank0_decides
+
+        behind = self.pusher.behind(step) if self.rank == 0 else []
+        if not rank0_decides(bool(behind)):
+            return
+        t = time.perf_counter()
+        if self.rank == 0:
+            print(f"weight push {step}: catching up {behind}", flush=True)
+        self.pusher.push(step)
+        if self.rank == 0:
+            self.batcher.set_version(step)
+        acc["weight_catch_up_pushes"] += 1
+        acc["time/weight_catch_up"] += time.perf_counter() - t
+
     def _reduce_pass(self) -> None:
         """A zero-loss pass of one padding token with gradient sync on: its backward
         reduces the gradients the step's unsynced backwards accumulated."""
@@ -179,7 +203,7 @@ class Trainer:
         from async_grpo.trainer.model import full_state_dict, scale_grads
 
         t, t0 = self.cfg.trainer, time.perf_counter()
-        eob, acc = self._accumulate()
+        eob, acc = self._accumulate(step)
         fault_point("trainer.step")  # the fault suite's trainer crash: after fwd/bwd
         if eob.step != step or acc["passes"] != eob.num_minibatches:
             raise RuntimeError(
@@ -218,7 +242,13 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.samples_seen += n_seq
-        timings = {k: acc[k] for k in ("time/wait", "time/forward_backward")}
+        keep = (
+            "time/wait",
+            "time/forward_backward",
+            "weight_catch_up_pushes",
+            "time/weight_catch_up",
+        )
+        timings = {k: float(acc[k]) for k in keep}
         timings["time/optimizer"] = time.perf_counter() - to
         done = step + 1
         save = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps

@@ -38,8 +38,8 @@ class GroupBroken(RuntimeError):
     """A member of the broadcast group died during a push."""
 
 
-def _again(flag: bool) -> bool:
-    """Rank 0 tells every rank whether the push is sent again (all ranks gather again)."""
+def rank0_decides(flag: bool) -> bool:
+    """Rank 0's `flag`, on every rank (a collective; the other ranks' `flag` is ignored)."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -106,7 +106,7 @@ class WeightPusher:
             while True:
                 for _, p in self.params:  # take part in every gather, in rank 0's order
                     _full(p)
-                if not _again(False):
+                if not rank0_decides(False):
                     return {}
         t0 = time.perf_counter()
         for tries_left in (1, 0):
@@ -120,9 +120,9 @@ class WeightPusher:
                 for _, p in self.params[self._gathered :]:  # the other ranks gather them all
                     _full(p)
                 self.close()
-                _again(True)
+                rank0_decides(True)
                 continue
-            _again(False)
+            rank0_decides(False)
             break
         t3 = time.perf_counter()
         self.last = {
@@ -344,6 +344,13 @@ class WeightPusher:
             reason = f"died during a weight push ({what})"
             ray.get(self.registries[pool].drop.remote(wid, reason), timeout=60)
         return self.transports.pop(wid, None)
+
+    def behind(self, version: int) -> list[str]:
+        """Rank 0: the registered workers that serve a version older than `version`."""
+        import ray
+
+        stats = ray.get([r.status.remote() for r in self.registries.values()], timeout=60)
+        return [w.worker_id for pool in stats for w in pool if w.version < version]
 
     def announce_checkpoint(self, version: int, hf_dir: str | None) -> None:
         """Rank 0: workers that join from now on load this checkpoint before serving

@@ -11,11 +11,17 @@ from dataclasses import replace
 
 import pytest
 
+from async_grpo.batcher import batcher as batcher_module
 from async_grpo.batcher.batcher import ExperienceBatcher
-from async_grpo.batcher.types import EndOfBatch, Minibatch
+from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow
 from async_grpo.config import BatcherConfig, LossConfig, RunConfig, TrainerConfig
 from async_grpo.data import Prompt
-from async_grpo.inference.types import Completion, PoolUnavailable, RequestError
+from async_grpo.inference.types import (
+    Completion,
+    PoolUnavailable,
+    RequestError,
+    WorkerStatus,
+)
 from async_grpo.rewards import RewardOutput
 
 BUDGET = 64
@@ -31,10 +37,12 @@ class ScriptedGeneration:
         self.versions_served = list(versions_served)
         self.truncate_every = truncate_every
         self.calls: list[tuple[int, int]] = []  # (prompt length, version served)
+        self.min_versions: list[int] = []  # the oldest version each call would accept
         self.retries = 0
 
-    async def call(self, n, method, ids, n2, sampling, on_retry=None):
+    async def call(self, n, method, ids, n2, sampling, on_retry=None, min_version=-1):
         assert method == "generate" and n == n2
+        self.min_versions.append(min_version)
         await asyncio.sleep(0)
         if self.failures:
             raise self.failures.pop(0)
@@ -247,7 +255,7 @@ def test_stop_cancels_and_awaits_groups_in_flight():
     started, finished = [], []
 
     class Hanging(ScriptedGeneration):
-        async def call(self, n, method, ids, n2, sampling, on_retry=None):
+        async def call(self, n, method, ids, n2, sampling, on_retry=None, min_version=-1):
             started.append(1)
             try:
                 await asyncio.sleep(3600)
@@ -278,11 +286,13 @@ def test_async_mode_generates_ahead_but_within_the_bound(k):
         ahead = {v for _, v in gen.calls}
         n = len(gen.calls)
         await b.stop()
-        return ahead, n
+        return ahead, n, gen.min_versions
 
-    ahead, n = _run(main())
+    ahead, n, min_versions = _run(main())
     assert ahead == {0}
     assert n == 4 * min(k + 1, 3)  # max_steps is 3
+    # step s leases only workers serving version s - k or newer
+    assert sorted(min_versions) == sorted(s - k for s in range(min(k + 1, 3)) for _ in range(4))
 
 
 def test_fixed_lag_pending_groups_replay_on_resume():
@@ -347,3 +357,66 @@ def test_lost_groups_are_one_line_with_the_drops_by_reason():
     assert line.startswith("generation: 4/8 samples of step 1 never arrived")
     assert "group_error 12" in line
     assert lost_groups(0, ledger({"samples/planned": 8, "samples/trained": 8})) is None
+
+
+class VersionRegistry:
+    """The generation registry as the batcher's watcher sees it: workers and versions."""
+
+    def __init__(self, versions):
+        self.versions = versions  # worker id -> version served
+
+    @property
+    def status(self):
+        outer = self
+
+        class _Status:
+            async def remote(self):
+                return [
+                    WorkerStatus(w, "generation", 8, 0, v, "", 0.0)
+                    for w, v in outer.versions.items()
+                ]
+
+        return _Status()
+
+
+def test_a_worker_behind_the_version_makes_every_rank_push_once(monkeypatch):
+    """A generation worker serving an older version than the batcher's: every rank gets one
+    PushNow (at the same place in its stream), once per version however long it lags;
+    `wait_generated` returns early only once no worker serves the current version."""
+    monkeypatch.setattr(batcher_module, "VERSION_CHECK_S", 0.02)
+
+    class Gated(ScriptedGeneration):  # step 0's four groups answer; later ones wait
+        async def call(self, *args, **kwargs):
+            self.started = getattr(self, "started", 0) + 1
+            if self.started > 4:
+                await asyncio.sleep(3600)
+            return await super().call(*args, **kwargs)
+
+    async def main():
+        b = ExperienceBatcher(_cfg(max_off_policy_steps=1), _prompts(), 2, clients={})
+        gen = Gated(b)
+        gen.registry = VersionRegistry({"old": 2, "new": 0})
+        b._clients = {"generation": gen, "verifier": ScriptedVerifier()}
+        await b.start(0)
+        await b.set_version(2)  # as if two steps were trained: the batcher is at version 2
+        await asyncio.sleep(0.2)
+        per_rank = [[], []]
+        for r in (0, 1):
+            while not isinstance(item := await b.get(r, 5), EndOfBatch):
+                per_rank[r].append(item)
+            per_rank[r].append(await b.get(r, 5))  # step 1 waits: the next item is a PushNow
+        waiting = asyncio.ensure_future(b.wait_generated(30.0))
+        await asyncio.sleep(0.3)
+        held_while_one_serves_it = not waiting.done()
+        gen.registry.versions["old"] = 0  # now nothing serves version 2
+        await asyncio.wait_for(waiting, 5)  # returns: only the push can unblock generation
+        await b.stop()
+        return per_rank, held_while_one_serves_it, b.catch_ups
+
+    per_rank, held, catch_ups = _run(main())
+    pushes = [
+        [i for i, item in enumerate(items) if isinstance(item, PushNow)] for items in per_rank
+    ]
+    assert len(pushes[0]) == 1 and pushes[0] == pushes[1]  # the same place on both ranks
+    assert per_rank[0][pushes[0][0]].version == 2
+    assert held and catch_ups == 1

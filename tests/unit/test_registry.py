@@ -201,3 +201,28 @@ def test_late_joiner_gets_the_newest_checkpoint():
         assert await reg.register("d", "h", 4, version=0) is None
 
     asyncio.run(run())
+
+
+def test_a_worker_behind_the_needed_version_is_not_leased_until_it_catches_up():
+    """A replacement serving version 0 is idle (least loaded) but behind version 3: it is
+    passed over; with nothing else, the lease waits until its heartbeat reports version 3,
+    and a lease that times out says the workers were behind."""
+
+    async def run():
+        reg = LeastLoadedRegistry("generation")
+        await reg.register("old", "h-old", capacity=8, version=3)
+        await reg.register("new", "h-new", capacity=8, version=0)
+        busy, wid, _ = await reg.lease(6, timeout_s=1, min_version=3)
+        assert wid == "old"
+        _, wid, _ = await reg.lease(2, timeout_s=1, min_version=3)
+        assert wid == "old"  # 8/8 now, though "new" has all its room
+        with pytest.raises(PoolUnavailable, match=r"1 worker\(s\) behind version 3"):
+            await reg.lease(2, timeout_s=0.1, min_version=3)
+        assert (await reg.lease(2, timeout_s=1, min_version=0))[1] == "new"
+        waiter = asyncio.ensure_future(reg.lease(2, timeout_s=5, min_version=3))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        await reg.heartbeat("new", 3, in_flight=2)  # the catch-up push reached it
+        assert (await waiter)[1] == "new"
+
+    asyncio.run(run())

@@ -184,3 +184,50 @@ def test_sharded_build_loads_exactly_the_saved_model(tmp_path, tied):
         with torch.no_grad():
             got, _ = policy(batch, False)
     assert torch.equal(got, want)
+
+
+class _CatchUpPusher:
+    """Rank 0's view of the pool: `behind` workers; records each push and the weights it
+    would send (the policy's full state at that moment)."""
+
+    def __init__(self, policy, behind):
+        self.policy, self._behind, self.pushed = policy, behind, []
+
+    def behind(self, version):
+        return list(self._behind)
+
+    def push(self, version):
+        state = {k: v.clone() for k, v in full_state_dict(self.policy).items()}
+        self.pushed.append((version, state))
+        return {}
+
+
+@pytest.mark.parametrize("behind", [["replacement-1"], []])
+def test_a_push_now_mid_step_sends_the_weights_held_and_leaves_the_step_exact(
+    model_dir, tmp_path, behind
+):
+    """A PushNow between two minibatches: the ranks push the weights of version `step`
+    (before this step's update) if a worker is still behind, then train on; the step's
+    update is still exactly the whole-batch gradient."""
+    from async_grpo.batcher.types import PushNow
+
+    with one_rank_group(process_group_backend("cpu")):
+        cfg = run_config(str(tmp_path))
+        batcher = ScriptedBatcher(samples(), 0, 1)
+        assert len(batcher.items) >= 3  # two minibatches at least, then the EndOfBatch
+        batcher.items.insert(1, PushNow(0))
+        tr = trainer(model_dir, cfg, torch.device("cpu"), batcher)
+        tr.pusher = _CatchUpPusher(tr.policy, behind)
+        before = {k: v.clone() for k, v in full_state_dict(tr.policy).items()}
+        record = tr.step(0)
+        after = full_state_dict(tr.policy)
+        delta = {k: before[k] - after[k] for k in before}
+        torch.save({"delta": delta, "record": record}, Path(tmp_path) / "step.pt")
+    _assert_delta_is_gradient(tmp_path, model_dir)
+    assert record["weight_catch_up_pushes"] == len(tr.pusher.pushed) == len(behind)
+    if behind:
+        version, sent = tr.pusher.pushed[0]
+        assert version == 0 and batcher.versions == [0]
+        assert all(torch.equal(sent[k], before[k]) for k in before)  # not yet updated
+    else:
+        assert batcher.versions == []
