@@ -87,6 +87,7 @@ class BatcherConfig:
     skip_zero_advantage: bool = (
         True  # equal-reward groups: counted, not run (exact if no KL/entropy)
     )
+    max_missing_fraction: float = 1.0  # a step with this share of samples never arriving stops
     seed: int = 0
 
 
@@ -284,6 +285,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
             f" above batcher.max_off_policy_steps={b.max_off_policy_steps}; the run would stall"
+        )
+    if not 0 < b.max_missing_fraction <= 1:
+        raise ConfigError(
+            f"batcher.max_missing_fraction: must be in (0, 1], got {b.max_missing_fraction}"
         )
     if not 0 < v.max_error_fraction <= 1:
         raise ConfigError(

@@ -263,8 +263,10 @@ class GenerationWorker(RegisteredWorker):
             self._next_chunk += 1
             self._chunk_turn.notify_all()
 
-    async def end_update(self, version: int) -> int:
-        """Finish the reload, label new tokens `version`, resume; returns the version served."""
+    async def end_update(self, version: int) -> dict[str, int]:
+        """Finish the reload, label new tokens `version`, resume; returns the version served
+        and this worker's counts of prefix-cache resets that failed and checkpoints it could
+        not load (both should stay 0)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._attempt = None
@@ -273,7 +275,11 @@ class GenerationWorker(RegisteredWorker):
             await self._after_update(version)
         finally:
             await self._resume()
-        return self.version
+        return {
+            "version": self.version,
+            "prefix_reset_failures": self.prefix_reset_failures,
+            "weight_load_failures": self.weight_load_failures,
+        }
 
     async def load_weights_dir(self, hf_dir: str, version: int) -> int:
         """Load a Hugging Face folder (a checkpoint) as `version`, paused like a push."""

@@ -58,7 +58,7 @@ class PoolSupervisor:
                 self.restarts += 1
                 if self.restarts > self.max_restarts:
                     raise RestartLimit(
-                        f"pool {pool!r}: a worker died, {self.restarts} deaths in this run"
+                        f"pool {pool!r}: a worker died; worker deaths in this run: {self.restarts}"
                         f" (max_worker_restarts={self.max_restarts}); stopping the run"
                     )
                 registry = _registry(pool)

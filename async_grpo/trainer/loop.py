@@ -313,9 +313,7 @@ class Trainer:
             self.bar.update(1)
         if self.rank == 0:
             self._check_scoring(step, eob.stats)
-            line = lost_groups(step, eob.stats)
-            if line and eob.stats.get("samples", 0) == 0:
-                raise UserError(f"{line}; stopping instead of training on nothing")
+            line = check_lost_groups(step, eob.stats, self.cfg.batcher.max_missing_fraction)
             if line:
                 print(f"warning: {line}", file=sys.stderr, flush=True)
         return record
@@ -355,6 +353,15 @@ def lost_groups(step: int, stats: dict[str, float]) -> str | None:
         f"generation: {missing:.0f}/{planned:.0f} samples of step {step + 1} never arrived"
         f" (dropped samples by reason: {drops or 'none'}; see OUTPUT_DIR/logs/batcher.log)"
     )
+
+
+def check_lost_groups(step: int, stats: dict[str, float], bound: float) -> str | None:
+    """`lost_groups`' line as a warning, or a UserError (exit 2) once the missing samples
+    reach `bound` (batcher.max_missing_fraction) of the step's planned samples."""
+    line = lost_groups(step, stats)
+    if line and stats.get("samples/missing", 0) >= bound * stats.get("samples/planned", 0):
+        raise UserError(f"{line}; stopping (batcher.max_missing_fraction={bound:g})")
+    return line
 
 
 def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:

@@ -132,7 +132,11 @@ class WeightPusher:
             "time/weight_stream": t3 - t2,
             "time/weight_pack": self.pack_s,
             "weight_push_bytes": float(sent),
-            "worker_version/min": float(min(versions, default=-1)),
+            "worker_version/min": float(min((v["version"] for v in versions), default=-1)),
+            "worker_prefix_reset_failures": float(
+                sum(v["prefix_reset_failures"] for v in versions)
+            ),
+            "worker_weight_load_failures": float(sum(v["weight_load_failures"] for v in versions)),
             "worker_drain_s/max": float(max(drains, default=0.0)),
             "weight_push_lost_workers": float(len(self.lost)),
         }

@@ -105,3 +105,20 @@ def test_a_replacement_serves_the_current_version_before_it_takes_requests(
         f"catch-up pushes mid-step: {catch_up}; step times:"
         f" {[round(r['time/step'], 1) for r in steps]}"
     )
+
+
+def test_a_crash_loop_ends_the_run_with_one_line(tiny_model_dir, tmp_path):
+    """`max_worker_restarts=0`: the first death is one too many. The run stops with the
+    line that names the pool and the limit, instead of restarting forever; nothing is
+    left behind."""
+    cmd = tiny_run(tiny_model_dir, tmp_path, "trainer.max_steps=50", "max_worker_restarts=0")
+    proc, tag = start(cmd, tmp_path, "verifier.score@2")
+    out = finish(proc, tmp_path, timeout_s=600)
+    assert proc.returncode == 1, out[-4000:]
+    assert fired(tmp_path) == ["verifier.score"]
+    line = "pool 'verifier': a worker died; worker deaths in this run: 1 (max_worker_restarts=0)"
+    assert line in out, out[-4000:]
+    assert "a worker died; started a new one" not in out
+    assert len(rows(tmp_path)) < 50
+    assert_books(rows(tmp_path))
+    assert_all_gone(tag)

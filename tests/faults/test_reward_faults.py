@@ -6,7 +6,7 @@ gives the count and the first reasons, exit 2, within a bound; no process is lef
 import time
 
 import pytest
-from _faults import assert_all_gone, finish, rows, start, tiny_run
+from _faults import assert_all_gone, assert_books, finish, rows, start, tiny_run
 
 pytestmark = pytest.mark.faults
 
@@ -36,5 +36,6 @@ def test_a_broken_reward_stops_the_run_with_its_reason(reward, reason, tiny_mode
     assert f"verifier: 4/4 samples failed to score in step 1: {reason}" in out, out[-4000:]
     (step,) = rows(tmp_path)
     assert step["verifier/step_failures"] == 4
+    assert_books([step])  # scored 0, trained: failing to score drops nothing
     gone = assert_all_gone(tag)
     print(f"{reward}: run stopped after {took:.0f}s, every process gone {gone:.1f}s later")

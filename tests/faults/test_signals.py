@@ -7,7 +7,16 @@ import signal
 import time
 
 import pytest
-from _faults import assert_all_gone, finish, run_pids, start, tiny_run, wait_for_steps
+from _faults import (
+    assert_all_gone,
+    assert_books,
+    finish,
+    rows,
+    run_pids,
+    start,
+    tiny_run,
+    wait_for_steps,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -37,4 +46,7 @@ def test_a_signal_stops_everything(sig, code, line, tiny_model_dir, tmp_path):
     assert proc.returncode == code, out[-4000:]
     assert line in out
     assert_all_gone(tag)
-    print(f"{sig.name}: every process of the run gone {time.monotonic() - t:.1f}s after it")
+    took = time.monotonic() - t
+    assert took < 120, f"{sig.name}: the run took {took:.0f}s to be gone"
+    assert_books(rows(tmp_path))  # the steps it finished closed their books
+    print(f"{sig.name}: every process of the run gone {took:.1f}s after it")

@@ -116,6 +116,7 @@ def test_one_push_reaches_a_mixed_set(workers, pusher, policy, prompt, tmp_path,
     assert sorted(pusher.transports.values()) == ["broadcast", "shm"]
     assert timings["weight_transport/shm"] == 1 and timings["weight_transport/broadcast"] == 1
     assert timings["worker_version/min"] == 3
+    assert timings["worker_prefix_reset_failures"] == 0  # no KV of old weights survives
     n_params = sum(p.numel() for p in policy.parameters())
     assert timings["weight_push_bytes"] >= 4 * n_params  # fp32 engines: fp32 on the wire
 

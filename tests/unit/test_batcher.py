@@ -359,6 +359,40 @@ def test_lost_groups_are_one_line_with_the_drops_by_reason():
     assert lost_groups(0, ledger({"samples/planned": 8, "samples/trained": 8})) is None
 
 
+@pytest.mark.parametrize("bound, stops", [(1.0, False), (0.5, True), (0.6, False)])
+def test_missing_samples_stop_the_run_at_the_configured_share(bound, stops):
+    """4 of 8 samples never arrived: a warning line below `batcher.max_missing_fraction`
+    of the step, a stop (exit 2) at it; by default only a step with nothing stops."""
+    from async_grpo.batcher.batcher import ledger
+    from async_grpo.errors import UserError
+    from async_grpo.trainer.loop import check_lost_groups
+
+    stats = ledger(
+        {
+            "samples/planned": 8,
+            "samples/requested": 16,
+            "samples/missing": 4,
+            "samples/trained": 4,
+            "dropped/group_error": 12,
+        }
+    )
+    if stops:
+        with pytest.raises(UserError, match=r"never arrived.*max_missing_fraction=0.5"):
+            check_lost_groups(2, stats, bound)
+    else:
+        assert "4/8 samples of step 3 never arrived" in check_lost_groups(2, stats, bound)
+    nothing = ledger(
+        {
+            "samples/planned": 8,
+            "samples/requested": 24,
+            "samples/missing": 8,
+            "dropped/group_error": 24,
+        }
+    )
+    with pytest.raises(UserError, match="8/8 samples"):
+        check_lost_groups(0, nothing, 1.0)
+
+
 class VersionRegistry:
     """The generation registry as the batcher's watcher sees it: workers and versions."""
 

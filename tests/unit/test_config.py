@@ -81,6 +81,7 @@ def test_int_is_accepted_for_float():
         ("trainer.weight_transport=rdma", "trainer.weight_transport: expected one of"),
         ("trainer.weight_transport=cuda_ipc", "trainer.weight_transport: 'cuda_ipc' cannot"),
         ("generation.weight_transport=shm", "generation.weight_transport: expected one of"),
+        ("batcher.max_missing_fraction=0", "batcher.max_missing_fraction: must be in"),
     ],
 )
 def test_bad_configs_name_the_key(override, message):
