@@ -105,6 +105,7 @@ class LossConfig:
     constant_normalizer: float | None = None  # Dr.GRPO divisor; defaults to max_new_tokens
     advantage_std_norm: bool = True  # False = Dr.GRPO advantages (r - mean)
     tis_cap: float | None = 2.0  # truncated importance sampling cap; None disables
+    proximal: Literal["behaviour", "current"] = "behaviour"  # PPO ratio against (docs/loss.md)
     mask_truncated: bool = False  # drop samples cut at the length limit from the loss
     temperature: float = 1.0  # log-probs are computed at the sampling temperature
 
@@ -260,6 +261,14 @@ def validate(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"generation.top_p: must be in (0, 1], got {g.top_p}")
+    if g.top_p < 1:
+        raise ConfigError(
+            f"generation.top_p: {g.top_p} makes vLLM report log-probs of the top-p truncated"
+            " distribution, which the trainer does not score (the importance ratios would be"
+            " wrong); sample with top_p: 1.0"
+        )
     if cfg.max_worker_restarts < 0:
         raise ConfigError(f"max_worker_restarts: must be >= 0, got {cfg.max_worker_restarts}")
     if b.max_off_policy_steps < 0:

@@ -3,13 +3,27 @@
 In: current-policy log-probs [T] (with grad), a `PackedBatch`, optional entropy [T], and the
 GLOBAL counts of the optimizer step. Out: the loss scalar and summed metrics.
 
-Per loss token t of sample s, with old = old_logprobs if given else behaviour_logprobs:
+Per loss token t of sample s, with old = old_logprobs if given, else the trainer's own
+log-probs before this step's update (detached) when `proximal="current"`, else the
+sampler's behaviour_logprobs:
     ratio_t = exp(logp_t - old_t)
     pg_t    = max(-A_s * ratio_t, -A_s * clamp(ratio_t, 1 - clip_low, 1 + clip_high))
     pg_t    = min(pg_t, -dual_clip * A_s)                 if A_s < 0 (dual clip)
     tis_t   = min(exp(old_t - behaviour_t), tis_cap)       detached; 1 if tis_cap is None
     l_t     = tis_t * pg_t + kl_coef * k(logp_t, ref_t) - entropy_coef * H_t
 k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1.
+
+`proximal="current"` is decoupled PPO (the proximal policy is the trainer's at the start
+of the step). The trainer makes one optimizer update per step, so that policy is the
+weights every minibatch's forward already runs under: old_t = logp_t.detach(), the ratio is
+exactly 1 in value (its gradient is that of logp_t), and tis_t = min(exp(logp_t -
+behaviour_t), tis_cap) is what corrects for the samples' staleness and for the engine's
+numerics, at no extra forward. With "behaviour" (old = behaviour) tis_t is 1 and the clip
+acts against the sampler's policy instead.
+
+Mismatch metrics on every loss token, whatever `proximal`: |logp_t - behaviour_t| and the
+k3 estimate of KL(behaviour || trainer) on the sampled tokens, exp(d) - 1 - d with
+d = logp_t - behaviour_t.
 
 Exact global normalisation. The step's objective is L = sum_t w_t * l_t over every loss
 token of every minibatch on every rank, with w_t = 1 / N_tok ("token_mean"),
@@ -141,6 +155,7 @@ class GRPOLoss:
     constant_normalizer: float
     tis_cap: float | None
     mask_truncated: bool
+    proximal: str = "behaviour"
 
     def __call__(
         self,
@@ -155,7 +170,13 @@ class GRPOLoss:
         `world_size`: ranks the gradient reduction averages over; 1 if it sums."""
         mask = loss_weight_mask(batch, self.mask_truncated)  # [T] bool
         behaviour = batch.behaviour_logprobs  # [T]
-        old = batch.old_logprobs if batch.old_logprobs is not None else behaviour  # [T]
+        current = logprobs.detach().masked_fill(~mask, 0.0)  # [T]
+        if batch.old_logprobs is not None:
+            old = batch.old_logprobs  # [T]
+        elif self.proximal == "current":
+            old = current  # [T]
+        else:
+            old = behaviour  # [T]
         adv = batch.advantages  # [T]
         # off-mask positions are zeroed first, so junk there can neither overflow nor leak grad
         log_ratio = (logprobs - old).masked_fill(~mask, 0.0)  # [T]
@@ -166,6 +187,10 @@ class GRPOLoss:
         tis = tis_weight(old, behaviour, self.tis_cap).masked_fill(~mask, 0.0)  # [T]
         per_token = tis * pg  # [T]
         m = {"tokens": mask.sum(), "ratio_sum": ratio[mask].sum(), "tis_sum": tis.sum()}
+        d = (current - behaviour).masked_fill(~mask, 0.0)  # [T] trainer - sampler
+        m["mismatch_abs_sum"] = d.abs()[mask].sum()
+        k3 = torch.exp(d.clamp(max=50.0)) - 1.0 - d  # [T]; the clamp only keeps it finite
+        m["mismatch_k3_sum"] = k3[mask].sum()
         m |= self._clip_counts(ratio, adv, mask)
         if self.kl_coef:
             if batch.ref_logprobs is None:
@@ -217,6 +242,7 @@ def build_loss(cfg: LossConfig, max_new_tokens: int | None = None) -> GRPOLoss:
         constant_normalizer=float(constant or 1.0),
         tis_cap=cfg.tis_cap,
         mask_truncated=cfg.mask_truncated,
+        proximal=cfg.proximal,
     )
 
 

@@ -82,6 +82,9 @@ def test_int_is_accepted_for_float():
         ("trainer.weight_transport=cuda_ipc", "trainer.weight_transport: 'cuda_ipc' cannot"),
         ("generation.weight_transport=shm", "generation.weight_transport: expected one of"),
         ("batcher.max_missing_fraction=0", "batcher.max_missing_fraction: must be in"),
+        ("generation.top_p=0.9", "generation.top_p: 0.9 makes vLLM report log-probs of the"),
+        ("generation.top_p=0", "generation.top_p: must be in"),
+        ("trainer.loss.proximal=old", "trainer.loss.proximal: expected one of"),
     ],
 )
 def test_bad_configs_name_the_key(override, message):

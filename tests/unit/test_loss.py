@@ -194,6 +194,31 @@ def test_placeholder_and_junk_off_mask_give_finite_zero(aggregation):
     assert math.isfinite(loss.item()) and logp.grad[1].item() == 0.0
 
 
+def test_proximal_current_is_decoupled_ppo_with_one_update():
+    # the trainer's log-probs logp = [-1, -2, -0.5] are the proximal policy: ratio 1, so no
+    # clip; logp - behaviour = [log 3, log 0.5, 0] -> tis [min(3, 2), 0.5, 1] = [2, 0.5, 1]
+    logp = [-1.0, -2.0, -0.5]
+    behaviour = [o - d for o, d in zip(logp, [L(3.0), L(0.5), 0.0], strict=True)]
+    batch = _batch({"adv": 1.0, "behaviour": behaviour})
+    cfg = replace(BASE, tis_cap=2.0, proximal="current")
+    loss, grad, m = _loss(cfg, batch, logp, tokens=3, samples=1)
+    assert loss == pytest.approx(-(2 + 0.5 + 1) / 3, abs=1e-6)
+    assert grad == pytest.approx([-2 / 3, -0.5 / 3, -1 / 3], abs=1e-6)
+    assert m["tis_sum"].item() == pytest.approx(3.5, abs=1e-6)
+    assert m["ratio_sum"].item() == pytest.approx(3.0, abs=1e-6)
+    assert m["clip_high_sum"].item() == 0  # ratio e^(log 3) would have been clipped
+    # mismatch: |d| = [log 3, log 2, 0]; k3 = e^d - 1 - d = [2 - log 3, log 2 - 0.5, 0]
+    assert m["mismatch_abs_sum"].item() == pytest.approx(L(3.0) + L(2.0), abs=1e-6)
+    k3 = (3 - 1 - L(3.0)) + (0.5 - 1 - L(0.5))
+    assert m["mismatch_k3_sum"].item() == pytest.approx(k3, abs=1e-6)
+    # the same batch under "behaviour": ratio [3, 0.5, 1] against the sampler, tis 1
+    loss, grad, m = _loss(replace(cfg, proximal="behaviour"), batch, logp, tokens=3, samples=1)
+    assert loss == pytest.approx(-(1.28 + 0.5 + 1) / 3, abs=1e-6)  # 3 clipped to 1.28
+    assert grad == pytest.approx([0.0, -0.5 / 3, -1 / 3], abs=1e-6)
+    assert m["tis_sum"].item() == pytest.approx(3.0, abs=1e-6)
+    assert m["mismatch_abs_sum"].item() == pytest.approx(L(3.0) + L(2.0), abs=1e-6)
+
+
 def test_summarize_metrics_and_build_loss():
     sums = {"tokens": 4.0, "clip_low_sum": 1.0, "dual_clip_sum": 2.0, "ratio_sum": 4.4}
     assert summarize_metrics(sums) == pytest.approx(
