@@ -34,6 +34,7 @@ import torch
 
 from async_grpo.batcher.channel import Channel, ChannelClosed
 from async_grpo.batcher.rounds import fill_round, split_group
+from async_grpo.batcher.stats import POOL_STATS_TIMEOUT_S, batch_stats, ledger, pool_counters
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample
 from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
@@ -42,7 +43,6 @@ from async_grpo.data import Prompt, PromptSampler
 from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
 
 GROUP_ATTEMPTS = 3
-POOL_STATS_TIMEOUT_S = 60.0
 VERSION_CHECK_S = 2.0  # how often the generation workers' versions are compared
 
 
@@ -375,8 +375,9 @@ class ExperienceBatcher:
             samples = [s for grp in groups for s in grp]
             self.books[step]["samples/trained"] += len(samples) - len(skipped)
             self.books[step]["samples/skipped"] += len(skipped)
-            stats = self._batch_stats(step, groups, time.monotonic() - t0)
-            stats |= await self._pool_counters()
+            stats = batch_stats(step, groups, time.monotonic() - t0) | self._drain_counters(step)
+            stats |= await pool_counters(self._clients)
+            stats["pool/generation/catch_up_requests"] = float(self.catch_ups)
             tokens, count = self._loss_counts(samples)
             skip_tokens, skip_count = self._loss_counts(skipped)
             stats["skipped_samples"] = float(len(skipped))
@@ -420,38 +421,6 @@ class ExperienceBatcher:
                     for r in range(self.num_ranks):
                         await self.channel.put(r, PushNow(self.version), 1, timeout_s=3600)
 
-    async def _pool_counters(self) -> dict[str, float]:
-        """Counters kept by the pools since the start: verifier timeouts and errors (summed
-        over the live verifier workers), requests retried after a worker died, and dead
-        workers replaced."""
-        out = {
-            f"pool/{name}_retries": float(getattr(c, "retries", 0))
-            for name, c in self._clients.items()
-        }
-        out["pool/generation/catch_up_requests"] = float(self.catch_ups)
-        registry = getattr(self._clients["verifier"], "registry", None)
-        if registry is None:
-            return out
-        try:
-            async with asyncio.timeout(POOL_STATS_TIMEOUT_S):
-                for name, c in self._clients.items():
-                    out[f"pool/{name}/restarts"] = float(await c.registry.restart_count.remote())
-                handles = await registry.handles.remote()
-                answers = await asyncio.gather(
-                    *(h.stats.remote() for h in handles.values()), return_exceptions=True
-                )
-                per_worker = [a for a in answers if isinstance(a, dict)]  # the dead say nothing
-        except TimeoutError:
-            print(
-                f"batcher: verifier stats not answered within {POOL_STATS_TIMEOUT_S:.0f}s;"
-                " this step's verifier counters are left out",
-                flush=True,
-            )
-            return out
-        for key in ("verifier/timeouts", "verifier/errors", "verifier/scored"):
-            out[key] = float(sum(w.get(key, 0) for w in per_worker))
-        return out
-
     def _tokens(self, samples: list[ScoredSample]) -> int:
         """Row tokens of `samples` once packed (prompts shared within a group when on)."""
         return packed_tokens(samples, self.cfg.batcher.share_prompts)
@@ -475,30 +444,6 @@ class ExperienceBatcher:
         ]
         return sum(len(s.completion_ids) for s in kept), len(kept)
 
-    def _batch_stats(
-        self, step: int, groups: list[list[ScoredSample]], wait_s: float
-    ) -> dict[str, float]:
-        samples = [s for g in groups for s in g]
-        if not samples:
-            return {"samples": 0.0, **self._drain_counters(step)}
-        mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0  # noqa: E731
-        stats = {
-            "samples": float(len(samples)),
-            "reward/mean": mean([s.reward for s in samples]),
-            "reward/max_in_group_mean": mean([max(s.reward for s in g) for g in groups]),
-            "output_length/mean": mean([len(s.completion_ids) for s in samples]),
-            "truncated_fraction": mean([float(s.truncated) for s in samples]),
-            "zero_advantage_fraction": mean(
-                [float(len({s.reward for s in g}) == 1) for g in groups]
-            ),
-            "staleness/mean": mean([step - s.version for s in samples]),
-            "staleness/max": float(max(step - s.version for s in samples)),
-            "time/batch_assembly": wait_s,
-        }
-        for key in sorted({k for s in samples for k in s.components}):
-            stats[f"reward/{key}"] = mean([s.components.get(key, 0.0) for s in samples])
-        return stats | self._drain_counters(step)
-
     def _drain_counters(self, step: int) -> dict[str, float]:
         """The books and drops of `step` (every group of the step has reported by now) and
         the run's packing efficiency so far."""
@@ -511,40 +456,6 @@ class ExperienceBatcher:
         if budget:
             out["packing_efficiency"] = self.counters["packed_tokens"] / budget
         return out
-
-
-BOOK_KEYS = (
-    "planned",
-    "requested",
-    "regenerated",
-    "reissued",
-    "replayed",
-    "generated",
-    "scored",
-    "trained",
-    "skipped",
-    "missing",
-    "dropped",
-)
-
-
-def ledger(books: dict[str, float]) -> dict[str, float]:
-    """One step's sample books as metrics: every samples/* key (0 when nothing happened),
-    samples/dropped the sum of the dropped/<reason> counts, and samples/unaccounted, which
-    is 0 when the books balance:
-
-        requested + replayed = trained + skipped + dropped   (each sample leaves once)
-        planned = trained + skipped + missing                (each slot delivers or is missing)
-    """
-    out = {f"samples/{k}": float(books.get(f"samples/{k}", 0.0)) for k in BOOK_KEYS}
-    drops = {k: float(v) for k, v in books.items() if k.startswith("dropped/")}
-    out["samples/dropped"] = sum(drops.values(), 0.0)
-    out |= drops
-    came = out["samples/requested"] + out["samples/replayed"]
-    left = out["samples/trained"] + out["samples/skipped"] + out["samples/dropped"]
-    slots = out["samples/trained"] + out["samples/skipped"] + out["samples/missing"]
-    out["samples/unaccounted"] = abs(came - left) + abs(out["samples/planned"] - slots)
-    return out
 
 
 def _flat(units: list[list[ScoredSample]], picked: list[int]) -> list[ScoredSample]:

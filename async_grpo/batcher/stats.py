@@ -1,0 +1,96 @@
+"""What the batcher reports with each step: the sample books, the batch's statistics and
+the pools' counters. Pure functions over what the batcher holds (the pool counters ask the
+registries and verifier workers), so the books' identities are tested alone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from async_grpo.batcher.types import ScoredSample
+
+POOL_STATS_TIMEOUT_S = 60.0
+
+BOOK_KEYS = (
+    "planned",
+    "requested",
+    "regenerated",
+    "reissued",
+    "replayed",
+    "generated",
+    "scored",
+    "trained",
+    "skipped",
+    "missing",
+    "dropped",
+)
+
+
+def ledger(books: dict[str, float]) -> dict[str, float]:
+    """One step's sample books as metrics: every samples/* key (0 when nothing happened),
+    samples/dropped the sum of the dropped/<reason> counts, and samples/unaccounted, which
+    is 0 when the books balance:
+
+        requested + replayed = trained + skipped + dropped   (each sample leaves once)
+        planned = trained + skipped + missing                (each slot delivers or is missing)
+    """
+    out = {f"samples/{k}": float(books.get(f"samples/{k}", 0.0)) for k in BOOK_KEYS}
+    drops = {k: float(v) for k, v in books.items() if k.startswith("dropped/")}
+    out["samples/dropped"] = sum(drops.values(), 0.0)
+    out |= drops
+    came = out["samples/requested"] + out["samples/replayed"]
+    left = out["samples/trained"] + out["samples/skipped"] + out["samples/dropped"]
+    slots = out["samples/trained"] + out["samples/skipped"] + out["samples/missing"]
+    out["samples/unaccounted"] = abs(came - left) + abs(out["samples/planned"] - slots)
+    return out
+
+
+def batch_stats(step: int, groups: list[list[ScoredSample]], wait_s: float) -> dict[str, float]:
+    """Rewards, lengths, staleness and the like over the groups that step `step` trains."""
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {"samples": 0.0}
+    mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0  # noqa: E731
+    stats = {
+        "samples": float(len(samples)),
+        "reward/mean": mean([s.reward for s in samples]),
+        "reward/max_in_group_mean": mean([max(s.reward for s in g) for g in groups]),
+        "output_length/mean": mean([len(s.completion_ids) for s in samples]),
+        "truncated_fraction": mean([float(s.truncated) for s in samples]),
+        "zero_advantage_fraction": mean([float(len({s.reward for s in g}) == 1) for g in groups]),
+        "staleness/mean": mean([step - s.version for s in samples]),
+        "staleness/max": float(max(step - s.version for s in samples)),
+        "time/batch_assembly": wait_s,
+    }
+    for key in sorted({k for s in samples for k in s.components}):
+        stats[f"reward/{key}"] = mean([s.components.get(key, 0.0) for s in samples])
+    return stats
+
+
+async def pool_counters(clients: dict[str, Any]) -> dict[str, float]:
+    """Counters kept by the pools since the start: verifier timeouts and errors (summed
+    over the live verifier workers), requests retried after a worker died, and dead
+    workers replaced."""
+    out = {f"pool/{name}_retries": float(getattr(c, "retries", 0)) for name, c in clients.items()}
+    registry = getattr(clients["verifier"], "registry", None)
+    if registry is None:
+        return out
+    try:
+        async with asyncio.timeout(POOL_STATS_TIMEOUT_S):
+            for name, c in clients.items():
+                out[f"pool/{name}/restarts"] = float(await c.registry.restart_count.remote())
+            handles = await registry.handles.remote()
+            answers = await asyncio.gather(
+                *(h.stats.remote() for h in handles.values()), return_exceptions=True
+            )
+            per_worker = [a for a in answers if isinstance(a, dict)]  # the dead say nothing
+    except TimeoutError:
+        print(
+            f"batcher: verifier stats not answered within {POOL_STATS_TIMEOUT_S:.0f}s;"
+            " this step's verifier counters are left out",
+            flush=True,
+        )
+        return out
+    for key in ("verifier/timeouts", "verifier/errors", "verifier/scored"):
+        out[key] = float(sum(w.get(key, 0) for w in per_worker))
+    return out
