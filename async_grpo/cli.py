@@ -6,6 +6,7 @@ A `UserError` anywhere below becomes one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -24,7 +25,13 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 def _data(args: argparse.Namespace) -> int:
     from async_grpo.data import load_prompts, write_jsonl
-    from async_grpo.data.generate import arithmetic_rows, countdown_rows, math_rows
+    from async_grpo.data.generate import (
+        arithmetic_rows,
+        calculator_rows,
+        countdown_rows,
+        guess_rows,
+        math_rows,
+    )
 
     if args.data_cmd == "countdown":
         rows = countdown_rows(
@@ -36,6 +43,14 @@ def _data(args: argparse.Namespace) -> int:
         if args.max_operand < 1:
             raise UserError(f"--max-operand: must be >= 1, got {args.max_operand}")
         rows = arithmetic_rows(args.n, args.seed, args.max_operand)
+    elif args.data_cmd == "calculator":
+        if min(args.digits) < 1:
+            raise UserError(f"--digits: each must be >= 1, got {args.digits}")
+        rows = calculator_rows(args.n, args.seed, tuple(args.digits))
+    elif args.data_cmd == "guess":
+        if args.high < 2:
+            raise UserError(f"--high: must be >= 2, got {args.high}")
+        rows = guess_rows(args.n, args.seed, args.high)
     elif args.data_cmd == "check":
         prompts = load_prompts(args.input)
         print(f"{args.input}: {len(prompts)} prompts, all valid")
@@ -123,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--max-operand", type=int, default=9)
     d.add_argument("-o", "--out", required=True)
+    d = dsub.add_parser("calculator", help="seeded products for the calculator environment")
+    d.add_argument("-n", type=int, default=1000)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--digits", type=int, nargs=2, default=[3, 2], metavar=("A", "B"))
+    d.add_argument("-o", "--out", required=True)
+    d = dsub.add_parser("guess", help="seeded secrets for the guess_number environment")
+    d.add_argument("-n", type=int, default=1000)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--high", type=int, default=10)
+    d.add_argument("-o", "--out", required=True)
     d = dsub.add_parser("check", help="validate a prompt JSONL file")
     d.add_argument("input")
     d = dsub.add_parser("tokenize", help="add input_token_ids with the model's chat template")
@@ -139,9 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(func=_train)
 
+    p = sub.add_parser("env-server", help="serve an environment over HTTP (environment.url)")
+    p.add_argument("name", help="environment name or module:Class")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.set_defaults(func=_env_server)
+
     add_cluster_parsers(sub)
     add_plot_parser(sub)
     return parser
+
+
+def _env_server(args: argparse.Namespace) -> int:
+    from async_grpo.environments.http import serve
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop it
+        serve(args.name, args.host, args.port)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,18 @@ from typing import Any
 
 from async_grpo.errors import UserError
 
-POOLS = ("generation", "logprob", "verifier")
+POOLS = ("generation", "logprob", "verifier", "environment")
+NO_MODEL = ("verifier", "environment")
 
 
 def add_cluster_parsers(sub: Any) -> None:
     p = sub.add_parser("worker", help="start pool workers on this Ray node and keep them up")
     p.add_argument("--mode", choices=POOLS, required=True)
-    p.add_argument("--model", default=None, help="model folder or prepared name (not for verifier)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder or prepared name (not for verifier, environment)",
+    )
     p.add_argument("--num-workers", type=int, default=None, help="default: from the config")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -64,7 +69,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from async_grpo.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    if args.mode != "verifier" and args.model is None:
+    if args.mode not in NO_MODEL and args.model is None:
         args.model = cfg.model
     from async_grpo.inference.launch import stop_workers
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
@@ -102,6 +107,11 @@ def _start(args: argparse.Namespace, cfg: Any, n: int | None = None) -> list[Any
     if args.mode == "verifier":
         n = n or args.num_workers or cfg.verifier.num_workers
         return launch.start_verifier_workers(cfg.verifier, n, detached=False)
+    if args.mode == "environment":
+        if cfg.environment.name is None:
+            raise UserError("environment.name: required for --mode environment (e.g. calculator)")
+        n = n or args.num_workers or cfg.environment.num_workers
+        return launch.start_environment_workers(cfg.environment, n, detached=False)
     from async_grpo.models import resolve_model
 
     model = str(resolve_model(args.model))

@@ -76,6 +76,20 @@ class VerifierConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """Multi-turn episodes against an environment pool instead of one scored completion."""
+
+    name: str | None = None  # None: single-turn, rewards by the verifiers; else an environment
+    url: str | None = None  # server-backed: the environment's HTTP server (environments/http.py)
+    num_workers: int = 1  # environment workers (Ray actors hosting the instances)
+    capacity: int = 256  # live instances (episodes) a worker holds at once
+    max_turns: int | None = None  # model turns per episode; None: the environment's own
+    max_episode_tokens: int | None = None  # tokens after the prompt; None: the environment's
+    max_observation_tokens: int = 64  # an observation longer than this is cut (counted)
+    step_timeout_s: float = 10.0  # reset, step or close past this ends the episode (reward 0)
+
+
+@dataclass
 class BatcherConfig:
     """The ExperienceBatcher: prompts in, packed per-rank minibatches out."""
 
@@ -147,6 +161,7 @@ class RunConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     logprob: LogprobConfig = field(default_factory=LogprobConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -326,6 +341,7 @@ def validate(cfg: RunConfig) -> None:
             "trainer.attention: 'flash' (varlen) cannot express batcher.share_prompts;"
             " use flex or auto"
         )
+    validate_environment(cfg)
     loss = t.loss
     if not (0 <= loss.clip_low < 1) or loss.clip_high < 0:
         raise ConfigError(
@@ -339,4 +355,36 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.loss.temperature: {loss.temperature} differs from generation.temperature="
             f"{g.temperature}; the trainer's log-probs would not match the sampler's"
+        )
+
+
+def validate_environment(cfg: RunConfig) -> None:
+    """An environment run: the names resolve, a group fits a worker, an episode fits the
+    context."""
+    e, g, b = cfg.environment, cfg.generation, cfg.batcher
+    if e.name is None:
+        if e.url:
+            raise ConfigError("environment.url: set environment.name too (what the server runs)")
+        return
+    from async_grpo.environments import get_environment
+
+    declared = get_environment(e.name)  # an unknown name is refused here, not in a worker
+    for key in ("num_workers", "capacity", "max_observation_tokens", "step_timeout_s"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"environment.{key}: must be > 0, got {getattr(e, key)}")
+    if b.samples_per_question > e.capacity:
+        raise ConfigError(
+            f"batcher.samples_per_question: {b.samples_per_question} exceeds"
+            f" environment.capacity={e.capacity}; a group's episodes could never be acquired"
+        )
+    turns = e.max_turns or declared.max_turns
+    budget = e.max_episode_tokens or declared.max_episode_tokens
+    if turns < 1 or budget < 1:
+        raise ConfigError(
+            f"environment.max_turns/max_episode_tokens: must be >= 1, got {turns}/{budget}"
+        )
+    if budget >= g.max_model_len:
+        raise ConfigError(
+            f"environment.max_episode_tokens: {budget} leaves no room for a prompt in"
+            f" generation.max_model_len={g.max_model_len}"
         )

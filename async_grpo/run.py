@@ -227,18 +227,27 @@ def run_local(
                 signal.signal(sig, stop_on_signal)
         device = cfg.trainer.device
         starters = {
-            "verifier": lambda n: launch.start_verifier_workers(cfg.verifier, n, log_dir=logs),
             "generation": lambda n: launch.start_generation_workers(
                 model_dir, cfg.generation, n, device, log_dir=logs
             ),
         }
-        counts = {"verifier": cfg.verifier.num_workers, "generation": cfg.generation.num_workers}
+        counts = {"generation": cfg.generation.num_workers}
+        if cfg.environment.name is None:  # single-turn: the verifiers score
+            starters["verifier"] = lambda n: launch.start_verifier_workers(
+                cfg.verifier, n, log_dir=logs
+            )
+            counts["verifier"] = cfg.verifier.num_workers
+        else:  # multi-turn: the environments score
+            starters["environment"] = lambda n: launch.start_environment_workers(
+                cfg.environment, n, log_dir=logs
+            )
+            counts["environment"] = cfg.environment.num_workers
         if cfg.trainer.loss.kl_coef > 0:
             starters["logprob"] = lambda n: launch.start_logprob_workers(
                 model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
             )
             counts["logprob"] = cfg.logprob.num_workers
-        for pool in ("verifier", "logprob", "generation"):
+        for pool in ("verifier", "environment", "logprob", "generation"):
             if pool in starters:
                 started = starters[pool](counts[pool])
                 workers += started

@@ -40,6 +40,7 @@ from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
 from async_grpo.core.packing import packed_tokens, plan_minibatches
 from async_grpo.data import Prompt, PromptSampler
+from async_grpo.environments.pool import EnvironmentFailed
 from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
 
 GROUP_ATTEMPTS = 3
@@ -55,7 +56,10 @@ class ExperienceBatcher:
         prompts: list[Prompt],
         num_ranks: int,
         clients: dict[str, Any] | None = None,
+        turns: Any = None,
     ) -> None:
+        """`turns`: the TurnFormat of an environment run (made from the model's tokenizer
+        when None)."""
         from async_grpo.logs import to_file
 
         to_file()  # a quiet run: this actor's output to OUTPUT_DIR/logs/batcher.log
@@ -64,6 +68,8 @@ class ExperienceBatcher:
         self.cfg, self.prompts, self.num_ranks = cfg, prompts, num_ranks
         self.sampler = PromptSampler(len(prompts), cfg.batcher.seed)
         self._clients = clients
+        self._turns = turns
+        self._episodes: Any = None  # an EpisodeRunner in an environment run
         self.version = -1
         self._version_changed: asyncio.Condition | None = None
         self.channel = Channel(list(range(num_ranks)), 4 * cfg.batcher.max_tokens_per_gpu)
@@ -101,11 +107,18 @@ class ExperienceBatcher:
         steps generated before the interruption, replayed instead of generated again."""
         from async_grpo.inference.client import PoolClient
 
+        env_run = self.cfg.environment.name is not None
         if self._clients is None:
-            pools = ["generation", "verifier"] + (["logprob"] if self._kl else [])
+            pools = ["generation", "environment" if env_run else "verifier"]
+            pools += ["logprob"] if self._kl else []
             self._clients = {p: PoolClient(p) for p in pools}
             # a pool with no registry fails the start, not each group as a counted drop
             await asyncio.gather(*(c.connect() for c in self._clients.values()))
+        if env_run:
+            from async_grpo.batcher.episodes import EpisodeRunner, turn_format
+
+            turns = self._turns or await asyncio.to_thread(turn_format, self.cfg)
+            self._episodes = EpisodeRunner(self.cfg, self._clients, turns)
         self._version_changed = asyncio.Condition()
         self._progress = asyncio.Condition()
         self._emitting = asyncio.Lock()
@@ -262,7 +275,7 @@ class ExperienceBatcher:
                 books["dropped/bad_request"] += n
                 print(f"batcher: step {step} slot {slot}: {e}", flush=True)
                 break
-            except (PoolUnavailable, TimeoutError) as e:
+            except (PoolUnavailable, TimeoutError, EnvironmentFailed) as e:
                 books["dropped/group_error"] += n
                 print(f"batcher: step {step} slot {slot} attempt {attempt}: {e}", flush=True)
                 continue
@@ -273,14 +286,47 @@ class ExperienceBatcher:
     async def _make_group(
         self, step: int, prompt: Prompt, sampling: SamplingSettings
     ) -> list[ScoredSample] | None:
-        from async_grpo.rewards import RewardInput
-
-        n, ids = self.cfg.batcher.samples_per_question, prompt.input_token_ids
+        """A scored group of `prompt` with its advantages (and reference log-probs when the
+        KL penalty is on); None when it came back staler than the bound."""
+        n, k = self.cfg.batcher.samples_per_question, self.cfg.batcher.max_off_policy_steps
         books = self.books[step]
 
         def reissued() -> None:  # the request went to another worker after a death
             books["samples/reissued"] += n
 
+        if self._episodes is not None:
+            group = await self._episodes.group(prompt, n, sampling, step - k, reissued)
+            books["samples/generated"] += len(group)
+            books["samples/scored"] += len(group)
+            if step - min(s.version for s in group) > k:
+                books["dropped/stale"] += n
+                return None
+        else:
+            group = await self._single_turn(step, prompt, sampling, reissued)
+        if group is None:
+            return None
+        rewards = torch.tensor([s.reward for s in group], dtype=torch.float32)  # [n]
+        adv, _ = group_advantages(rewards, self.cfg.trainer.loss.advantage_std_norm)
+        refs: list[Any] = [None] * n
+        if self._kl:
+            refs = await self._clients["logprob"].call(
+                n,
+                "logprobs",
+                [(s.prompt_ids, s.completion_ids) for s in group],
+                on_retry=reissued,
+            )
+        for s, a, r in zip(group, adv.tolist(), refs, strict=True):
+            s.advantage, s.ref_logprobs = float(a), r
+        return group
+
+    async def _single_turn(
+        self, step: int, prompt: Prompt, sampling: SamplingSettings, reissued: Any
+    ) -> list[ScoredSample] | None:
+        """One completion per sample, scored by the verifier pool (advantages left 0)."""
+        from async_grpo.rewards import RewardInput
+
+        n, ids = self.cfg.batcher.samples_per_question, prompt.input_token_ids
+        books = self.books[step]
         completions = await self._clients["generation"].call(
             n,
             "generate",
@@ -312,13 +358,6 @@ class ExperienceBatcher:
                 book[0] += 1
                 if len(book[2]) < 3:
                     book[2].append(s.reason)
-        rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)  # [n]
-        adv, zero = group_advantages(rewards, self.cfg.trainer.loss.advantage_std_norm)
-        refs: list[Any] = [None] * n
-        if self._kl:
-            refs = await self._clients["logprob"].call(
-                n, "logprobs", [(ids, c.token_ids) for c in completions], on_retry=reissued
-            )
         return [
             ScoredSample(
                 ids,
@@ -326,12 +365,11 @@ class ExperienceBatcher:
                 c.logprobs,
                 s.reward,
                 s.components,
-                float(a),
+                0.0,
                 c.policy_version,
                 c.finish_reason == "length",
-                r,
             )
-            for c, s, a, r in zip(completions, scored, adv.tolist(), refs, strict=True)
+            for c, s in zip(completions, scored, strict=True)
         ]
 
     # -- emitting rounds --------------------------------------------------------------------
@@ -440,9 +478,9 @@ class ExperienceBatcher:
         kept = [
             s
             for s in samples
-            if not (self.cfg.trainer.loss.mask_truncated and s.truncated) and s.completion_ids
+            if not (self.cfg.trainer.loss.mask_truncated and s.truncated) and s.loss_tokens
         ]
-        return sum(len(s.completion_ids) for s in kept), len(kept)
+        return sum(s.loss_tokens for s in kept), len(kept)
 
     def _drain_counters(self, step: int) -> dict[str, float]:
         """The books and drops of `step` (every group of the step has reported by now) and

@@ -64,7 +64,30 @@ def batch_stats(step: int, groups: list[list[ScoredSample]], wait_s: float) -> d
     }
     for key in sorted({k for s in samples for k in s.components}):
         stats[f"reward/{key}"] = mean([s.components.get(key, 0.0) for s in samples])
+    episodes = [s.episode for s in samples if s.episode is not None]
+    if episodes:
+        stats |= episode_stats(episodes)
     return stats
+
+
+def episode_stats(episodes: list[dict[str, float]]) -> dict[str, float]:
+    """Multi-turn figures over a step's episodes: turns and environment-reported counts
+    (`info/tool_calls` -> `tool_calls/mean`) per episode, the mean environment step time,
+    and the episodes that ended on an environment error, by reason."""
+    total = lambda key: sum(e.get(key, 0.0) for e in episodes)  # noqa: E731
+    steps = total("env_steps")
+    out = {
+        "turns/mean": total("turns") / len(episodes),
+        "env/step_time": total("env_step_s") / steps if steps else 0.0,
+        "env/errors": total("env_errors"),
+        "env/observations_cut": total("observation_cut"),
+    }
+    for key in sorted({k for e in episodes for k in e}):
+        if key.startswith("info/"):
+            out[f"{key[5:]}/mean"] = total(key) / len(episodes)
+        elif key.startswith("env_errors/"):
+            out[f"env/errors/{key[11:]}"] = total(key)
+    return out
 
 
 async def pool_counters(clients: dict[str, Any]) -> dict[str, float]:
@@ -72,7 +95,7 @@ async def pool_counters(clients: dict[str, Any]) -> dict[str, float]:
     over the live verifier workers), requests retried after a worker died, and dead
     workers replaced."""
     out = {f"pool/{name}_retries": float(getattr(c, "retries", 0)) for name, c in clients.items()}
-    registry = getattr(clients["verifier"], "registry", None)
+    registry = getattr(clients.get("verifier"), "registry", None)
     if registry is None:
         return out
     try:

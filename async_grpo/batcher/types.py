@@ -12,7 +12,11 @@ class ScoredSample:
     """One completion with its reward and group advantage.
 
     Invariants: len(logprobs) == len(completion_ids); `version` is the policy version that
-    generated it; `ref_logprobs` is None unless the KL penalty is on.
+    generated it (the oldest, for a multi-turn episode); `ref_logprobs` is None unless the
+    KL penalty is on. A multi-turn episode's `completion_ids` are every token after the
+    prompt, the environment's included: `completion_mask` is True at the model's tokens
+    (their `logprobs` are the sampler's) and False at the environment's (log-prob 0.0, no
+    loss); `episode` holds its per-episode figures (turns, tool calls, errors) for metrics.
     """
 
     prompt_ids: list[int]
@@ -24,6 +28,8 @@ class ScoredSample:
     version: int
     truncated: bool
     ref_logprobs: list[float] | None = None
+    completion_mask: list[bool] | None = None
+    episode: dict[str, float] | None = None
 
     def to_pack_input(self) -> PackInput:
         return PackInput(
@@ -34,11 +40,19 @@ class ScoredSample:
             self.ref_logprobs,
             None,
             self.truncated,
+            self.completion_mask,
         )
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def loss_tokens(self) -> int:
+        """Completion tokens that carry loss: the model's own."""
+        if self.completion_mask is None:
+            return len(self.completion_ids)
+        return sum(self.completion_mask)
 
 
 @dataclass

@@ -5,7 +5,8 @@ Out: a `PackedBatch` whose per-token tensors are aligned on *prediction position
 entry `t` describes the prediction made at position `t`, i.e. of token `t + 1` of the
 same sample. So `labels[0, t] = input_ids[0, t + 1]` when that token is a completion token
 of the same sample, else -100 (prompt targets, each sample's last position, padding);
-`loss_mask = labels[0] != -100`. The model's logits at `t` are scored against `labels[0, t]`
+`loss_mask = labels[0] != -100`. A multi-turn sample's environment tokens
+(`PackInput.completion_mask` False) are context like the prompt: label -100, no loss. The model's logits at `t` are scored against `labels[0, t]`
 directly, with no further shift.
 
 Attention isolation: rows are separated by `position_ids` restarting at 0. transformers
@@ -49,6 +50,9 @@ class PackInput:
     ref_logprobs: list[float] | None = None  # reference policy, for the KL penalty
     old_logprobs: list[float] | None = None  # trainer-side old policy, if recomputed
     truncated: bool = False  # cut at the generation length limit
+    # per completion token: True where the model generated it (a target of the loss), False
+    # where an environment wrote it (context only); None: every completion token is a target
+    completion_mask: list[bool] | None = None
 
 
 @dataclass
@@ -167,9 +171,16 @@ def pack(
             pos += range(n_p - 1, n_p + n_c)
             index += [i] * (n_c + 1)
             shared += [False] * (n_c + 1)
-            labels += s.completion_ids + [IGNORE_INDEX]
-            adv += [s.advantage] * n_c + [0.0]
-            behaviour += s.behaviour_logprobs + [0.0]
+            targets = s.completion_mask or [True] * n_c
+            labels += [
+                t if m else IGNORE_INDEX for t, m in zip(s.completion_ids, targets, strict=True)
+            ]
+            labels += [IGNORE_INDEX]
+            adv += [s.advantage if m else 0.0 for m in targets] + [0.0]
+            behaviour += [
+                lp if m else 0.0 for lp, m in zip(s.behaviour_logprobs, targets, strict=True)
+            ]
+            behaviour += [0.0]
             if has_ref:
                 ref += s.ref_logprobs + [0.0]
             if has_old:
@@ -206,6 +217,10 @@ def _check(i: int, s: PackInput) -> None:
         values = getattr(s, name)
         if values is not None and len(values) != n_c:
             raise ValueError(f"sample {i}: {name} has {len(values)} entries, expected {n_c}")
+    if s.completion_mask is not None and len(s.completion_mask) != n_c:
+        raise ValueError(
+            f"sample {i}: completion_mask has {len(s.completion_mask)} entries, expected {n_c}"
+        )
 
 
 def _cu_seqlens(seq_lens: list[int]) -> Tensor:

@@ -1,5 +1,6 @@
-"""Seeded, offline generators for the sample tasks: Countdown, LaTeX arithmetic, and
-one-step integer arithmetic (the CPU learning-curve task).
+"""Seeded, offline generators for the sample tasks: Countdown, LaTeX arithmetic, one-step
+integer arithmetic (the CPU learning-curve task), and the two multi-turn tasks: products
+for the calculator tool and the number-guessing game.
 
 Countdown rows have the shape of the public Countdown-Tasks-3to4 set (3 to 4 numbers and
 a target reachable with + - * /), with `answer = {"target": T, "numbers": [...]}`.
@@ -102,3 +103,44 @@ def arithmetic_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, A
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         rows.append({"input": ARITHMETIC_PROMPT.format(a=a, op=op, b=b), "answer": str(value)})
     return rows
+
+
+# The calculator task's prompt: how to call the tool, with one worked exchange.
+CALCULATOR_PROMPT = (
+    "You have a calculator. To use it, reply with only <calc>expression</calc>; the result"
+    " comes back as the next message. Example: for 12 * 34 you reply <calc>12 * 34</calc>,"
+    " get 408, and then reply 408.\nNow compute {a} * {b}."
+)
+GUESS_PROMPT = (
+    "I picked a secret whole number from {low} to {high}. Guess it: reply with one number."
+    " After each wrong guess I say higher or lower."
+)
+
+
+def calculator_rows(n: int, seed: int, digits: tuple[int, int] = (3, 2)) -> list[dict[str, Any]]:
+    """`n` products of a `digits[0]`-digit and a `digits[1]`-digit number, too long for a
+    small model to multiply in its head; `answer` is the product as a string."""
+    if min(digits) < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    rng = random.Random(seed)
+    lo_hi = [(10 ** (d - 1), 10**d - 1) for d in digits]
+    rows = []
+    for _ in range(n):
+        a, b = (rng.randint(lo, hi) for lo, hi in lo_hi)
+        rows.append({"input": CALCULATOR_PROMPT.format(a=a, b=b), "answer": str(a * b)})
+    return rows
+
+
+def guess_rows(n: int, seed: int, high: int = 10) -> list[dict[str, Any]]:
+    """`n` secrets in 1..high for the `guess_number` environment (bounds in `metadata`)."""
+    if high < 2:
+        raise ValueError(f"high must be >= 2, got {high}")
+    rng = random.Random(seed)
+    return [
+        {
+            "input": GUESS_PROMPT.format(low=1, high=high),
+            "answer": rng.randint(1, high),
+            "metadata": {"low": 1, "high": high},
+        }
+        for _ in range(n)
+    ]

@@ -13,8 +13,10 @@ request), so no ghost work keeps the worker busy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from async_grpo.inference.types import PoolUnavailable
@@ -136,6 +138,26 @@ class PoolClient:
         raise PoolUnavailable(
             f"pool {self.pool!r}: {method} failed on {self.max_retries + 1} workers; last: {last}"
         )
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int, hold_s: float) -> AsyncIterator[tuple[str, Any]]:
+        """Lease room for `n` on one worker for a whole `async with` block (an episode
+        group's environment instances): yields (worker id, handle); released however the
+        block ends, and expiring by itself after `hold_s` should the release be lost."""
+        await self.connect()
+        lease_id = uuid.uuid4().hex
+        granted = self._registry.lease.remote(n, self.lease_timeout_s, hold_s, lease_id)
+        try:
+            _, worker_id, handle = await self._ask_registry(
+                granted, f"a lease of {n}", self.lease_timeout_s
+            )
+            yield worker_id, handle
+        finally:
+            await self._release(lease_id)
+
+    async def drop(self, worker_id: str, reason: str) -> None:
+        """Tell the registry a worker was found dead (its leases vanish with it)."""
+        await self._ask_registry(self._registry.drop.remote(worker_id, reason), "drop")
 
     async def _ask_registry(self, ref: Any, what: str, wait_s: float = 0.0) -> Any:
         """Await a registry call: bounded, and a dead registry is named as such."""

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config import GenerationConfig, LogprobConfig, VerifierConfig
+from async_grpo.config import EnvironmentConfig, GenerationConfig, LogprobConfig, VerifierConfig
 from async_grpo.ray_utils import NAMESPACE, registry_name
 
 START_TIMEOUT_S = 900.0
@@ -162,7 +162,7 @@ def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
     refs = [w.stop.remote(drain_timeout_s) for w in workers]
     ray.wait(refs, num_returns=len(refs), timeout=drain_timeout_s + 30)
     registries = []
-    for pool in ("generation", "logprob", "verifier"):
+    for pool in ("generation", "logprob", "verifier", "environment"):
         with contextlib.suppress(ValueError):
             registries.append(ray.get_actor(registry_name(pool), namespace=NAMESPACE))
     forgotten = [r.deregister_handles.remote(workers) for r in registries]
@@ -186,27 +186,80 @@ def start_verifier_workers(
     Capacity is in samples queued per worker; each worker scores `cfg.max_concurrency`
     at a time in sandbox subprocesses (those do the CPU work, so the actor reserves none).
     """
+    from async_grpo.rewards.pool import VerifierWorker
+
+    return _start_silent_pool(
+        VerifierWorker,
+        "verifier",
+        "verify",
+        count,
+        VERIFIER_CAPACITY,
+        detached,
+        timeout_s,
+        lambda wid: (cfg,),
+        log_dir,
+        max_concurrency=64,
+    )
+
+
+def start_environment_workers(
+    cfg: EnvironmentConfig,
+    count: int,
+    detached: bool = False,
+    timeout_s: float = 120.0,
+    log_dir: Path | None = None,
+) -> list[Any]:
+    """Start `count` environment workers and register them in the `environment` registry,
+    each with room for `cfg.capacity` live instances (episodes)."""
+    from async_grpo.environments.pool import EnvironmentWorker
+
+    return _start_silent_pool(
+        EnvironmentWorker,
+        "environment",
+        "env",
+        count,
+        cfg.capacity,
+        detached,
+        timeout_s,
+        lambda wid: (cfg, wid),
+        log_dir,
+        max_concurrency=max(64, 2 * cfg.capacity),
+    )
+
+
+def _start_silent_pool(
+    cls: type,
+    pool: str,
+    prefix: str,
+    count: int,
+    capacity: int,
+    detached: bool,
+    timeout_s: float,
+    args: Any,
+    log_dir: Path | None,
+    max_concurrency: int,
+) -> list[Any]:
+    """Actors without heartbeats (their registry pings them): started, then registered."""
     import socket
 
     import ray
 
     from async_grpo.logs import actor_runtime_env
-    from async_grpo.rewards.pool import VerifierWorker
 
-    registry = ensure_registry("verifier")
-    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
+    registry = ensure_registry(pool)
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": max_concurrency}
     if detached:
         opts["lifetime"] = "detached"
-    actor = ray.remote(VerifierWorker)
-    ids = worker_ids("verify", count)
+    actor = ray.remote(cls)
+    ids = worker_ids(prefix, count)
     workers = [
-        actor.options(**opts, runtime_env=actor_runtime_env(None, log_dir, wid)).remote(cfg)
+        actor.options(**opts, runtime_env=actor_runtime_env(None, log_dir, wid)).remote(*args(wid))
         for wid in ids
     ]
-    _wait_started([w.stats.remote() for w in workers], "verifier workers", timeout_s)
+    _wait_started([w.stats.remote() for w in workers], f"{pool} workers", timeout_s)
     ray.get(
         [
-            registry.register.remote(wid, w, VERIFIER_CAPACITY, 0, socket.gethostname(), False)
+            registry.register.remote(wid, w, capacity, 0, socket.gethostname(), False)
             for wid, w in zip(ids, workers, strict=True)
         ],
         timeout=timeout_s,

@@ -176,17 +176,25 @@ def _qualified(fn: Callable[..., Any]) -> str:
     return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _load_spec(spec: str) -> RewardFn:
+def import_spec(spec: str, kind: str) -> Any:
+    """The object named by `"module.path:attr.path"`; a UserError naming `kind` and `spec`
+    when the module cannot be imported or has no such attribute."""
     module_name, _, attr = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"reward {spec!r}: cannot import module {module_name!r} ({e})") from e
+        raise UserError(f"{kind} {spec!r}: cannot import module {module_name!r} ({e})") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise UserError(f"reward {spec!r}: module {module_name!r} has no {attr!r}")
+            raise UserError(f"{kind} {spec!r}: module {module_name!r} has no {attr!r}")
         obj = getattr(obj, part)
+    return obj
+
+
+def _load_spec(spec: str) -> RewardFn:
+    obj = import_spec(spec, "reward")
     if not callable(obj):
+        attr = spec.partition(":")[2]
         raise UserError(f"reward {spec!r}: {attr!r} is not callable")
     return obj
 

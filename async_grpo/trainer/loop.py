@@ -403,7 +403,7 @@ def build_trainer(
     if not verbose:
         quiet_libraries()
     connect(address, log_to_driver=verbose)
-    if rank == 0:
+    if rank == 0 and cfg.environment.name is None:  # an environment run scores itself
         from async_grpo.rewards.pool import check_verifiers
 
         check_verifiers(cfg.verifier)

