@@ -87,6 +87,7 @@ class EnvironmentConfig:
     max_episode_tokens: int | None = None  # tokens after the prompt; None: the environment's
     max_observation_tokens: int = 64  # an observation longer than this is cut (counted)
     step_timeout_s: float = 10.0  # reset, step or close past this ends the episode (reward 0)
+    on_error: Literal["score", "regenerate"] = "score"  # regenerate: a group with a failed episode
 
 
 @dataclass

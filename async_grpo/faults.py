@@ -12,8 +12,9 @@ fault fire once per run: a replacement process inherits the same environment and
 clean. Without the variables `fault_point` returns at once.
 
 Points: generation.load_chunk (a worker dies during a weight push, before loading a
-chunk), generation.generate, verifier.score, logprob.logprobs (a worker dies holding a
-request), trainer.step (a trainer rank dies mid-step, after the forward/backward of its minibatches).
+chunk), generation.generate, verifier.score, logprob.logprobs, environment.step (a worker
+dies holding a request), environment.acquire (while making a group's instances),
+trainer.step (a trainer rank dies mid-step, after the forward/backward of its minibatches).
 """
 
 from __future__ import annotations

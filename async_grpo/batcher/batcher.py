@@ -34,6 +34,7 @@ import torch
 
 from async_grpo.batcher.channel import Channel, ChannelClosed
 from async_grpo.batcher.rounds import fill_round, split_group
+from async_grpo.batcher.single_turn import single_turn_group
 from async_grpo.batcher.stats import POOL_STATS_TIMEOUT_S, batch_stats, ledger, pool_counters
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample
 from async_grpo.config import RunConfig
@@ -301,8 +302,21 @@ class ExperienceBatcher:
             if step - min(s.version for s in group) > k:
                 books["dropped/stale"] += n
                 return None
+            failed = any(s.episode["env_errors"] for s in group)
+            if failed and self.cfg.environment.on_error == "regenerate":
+                books["dropped/env_error"] += n
+                return None
         else:
-            group = await self._single_turn(step, prompt, sampling, reissued)
+            group = await single_turn_group(
+                self.cfg,
+                self._clients,
+                books,
+                self.score_failures[step],
+                prompt,
+                sampling,
+                step,
+                reissued,
+            )
         if group is None:
             return None
         rewards = torch.tensor([s.reward for s in group], dtype=torch.float32)  # [n]
@@ -318,59 +332,6 @@ class ExperienceBatcher:
         for s, a, r in zip(group, adv.tolist(), refs, strict=True):
             s.advantage, s.ref_logprobs = float(a), r
         return group
-
-    async def _single_turn(
-        self, step: int, prompt: Prompt, sampling: SamplingSettings, reissued: Any
-    ) -> list[ScoredSample] | None:
-        """One completion per sample, scored by the verifier pool (advantages left 0)."""
-        from async_grpo.rewards import RewardInput
-
-        n, ids = self.cfg.batcher.samples_per_question, prompt.input_token_ids
-        books = self.books[step]
-        completions = await self._clients["generation"].call(
-            n,
-            "generate",
-            ids,
-            n,
-            sampling,
-            on_retry=reissued,
-            min_version=step - self.cfg.batcher.max_off_policy_steps,
-        )
-        books["samples/generated"] += len(completions)
-        version = min(c.policy_version for c in completions)
-        if step - version > self.cfg.batcher.max_off_policy_steps:
-            books["dropped/stale"] += n
-            return None
-        scored = await self._clients["verifier"].call(
-            n,
-            "score",
-            [
-                RewardInput(prompt.input, c.text, prompt.answer, prompt.metadata)
-                for c in completions
-            ],
-            on_retry=reissued,
-        )
-        books["samples/scored"] += len(scored)
-        book = self.score_failures[step]
-        book[1] += len(scored)
-        for s in scored:
-            if s.reason.startswith(("error", "timeout")):
-                book[0] += 1
-                if len(book[2]) < 3:
-                    book[2].append(s.reason)
-        return [
-            ScoredSample(
-                ids,
-                c.token_ids,
-                c.logprobs,
-                s.reward,
-                s.components,
-                0.0,
-                c.policy_version,
-                c.finish_reason == "length",
-            )
-            for c, s in zip(completions, scored, strict=True)
-        ]
 
     # -- emitting rounds --------------------------------------------------------------------
     async def _emit(self, start_step: int) -> None:

@@ -105,7 +105,11 @@ def arithmetic_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, A
     return rows
 
 
-# The calculator task's prompt: how to call the tool, with one worked exchange.
+# The calculator task's prompt: how to call the tool, with one worked exchange; the model's
+# turn is opened with "<calc>" (`prefill`). Step 0 of SmolLM2-135M (bench/env_step0.py, 128
+# episodes): 6% solved, 87% call the tool, 44% of groups mixed. Without the prefill, 0.8% /
+# 7% / 6%; three other wordings did no better (docs/environments.md).
+CALCULATOR_PREFILL = "<calc>"
 CALCULATOR_PROMPT = (
     "You have a calculator. To use it, reply with only <calc>expression</calc>; the result"
     " comes back as the next message. Example: for 12 * 34 you reply <calc>12 * 34</calc>,"
@@ -127,7 +131,13 @@ def calculator_rows(n: int, seed: int, digits: tuple[int, int] = (3, 2)) -> list
     rows = []
     for _ in range(n):
         a, b = (rng.randint(lo, hi) for lo, hi in lo_hi)
-        rows.append({"input": CALCULATOR_PROMPT.format(a=a, b=b), "answer": str(a * b)})
+        rows.append(
+            {
+                "input": CALCULATOR_PROMPT.format(a=a, b=b),
+                "answer": str(a * b),
+                "prefill": CALCULATOR_PREFILL,
+            }
+        )
     return rows
 
 

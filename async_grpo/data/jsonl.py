@@ -26,6 +26,7 @@ class Prompt:
     input_token_ids: list[int] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     line: int = 0  # 1-based line in the source file, for error messages
+    prefill: str = ""  # text the model's turn starts with (part of the prompt, not sampled)
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"input": self.input, "answer": self.answer}
@@ -33,10 +34,12 @@ class Prompt:
             row["input_token_ids"] = self.input_token_ids
         if self.metadata:
             row["metadata"] = self.metadata
+        if self.prefill:
+            row["prefill"] = self.prefill
         return row
 
 
-_KNOWN = {"input", "answer", "input_token_ids", "metadata"}
+_KNOWN = {"input", "answer", "input_token_ids", "metadata", "prefill"}
 
 
 def parse_line(text: str, where: str, lineno: int) -> Prompt:
@@ -68,7 +71,10 @@ def parse_line(text: str, where: str, lineno: int) -> Prompt:
     meta = row.get("metadata", {})
     if not isinstance(meta, dict):
         raise DataError(f"{loc}: field 'metadata': expected an object")
-    return Prompt(row["input"], row["answer"], ids, meta, lineno)
+    prefill = row.get("prefill", "")
+    if not isinstance(prefill, str):
+        raise DataError(f"{loc}: field 'prefill': expected a string")
+    return Prompt(row["input"], row["answer"], ids, meta, lineno, prefill)
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:

@@ -18,12 +18,15 @@ def chat_token_ids(tokenizer, text: str) -> list[int]:
 
 
 def tokenize_prompts(prompts: list[Prompt], model_dir: Path) -> list[Prompt]:
-    """Fill `input_token_ids` of every prompt with the templated prompt ids."""
+    """Fill `input_token_ids` of every prompt with the templated prompt ids, then the
+    prefill's (the start of the model's turn, e.g. "<calc>"), if any."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for p in prompts:
         p.input_token_ids = chat_token_ids(tokenizer, p.input)
+        if p.prefill:
+            p.input_token_ids += tokenizer(p.prefill, add_special_tokens=False).input_ids
     return prompts
 
 

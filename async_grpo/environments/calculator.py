@@ -8,7 +8,6 @@ evaluator (integers, + - * / and parentheses, capped in length and depth), never
 
 from __future__ import annotations
 
-import re
 from fractions import Fraction
 
 from async_grpo.environments.base import Environment, StepResult, Task
@@ -16,7 +15,6 @@ from async_grpo.environments.registry import environment
 from async_grpo.rewards.countdown import EquationError, evaluate
 from async_grpo.rewards.number import last_number
 
-_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 MAX_ACTION_CHARS = 10_000
 
 
@@ -25,6 +23,17 @@ def show(value: Fraction) -> str:
     if value.denominator == 1:
         return str(value.numerator)
     return f"{float(value):.6f}".rstrip("0")
+
+
+def tool_call(action: str) -> str | None:
+    """The expression of the turn's first call: the text before the first </calc>, after the
+    last <calc> before it (or from the start: a prompt may open the turn with "<calc>")."""
+    end = action.find("</calc>")
+    if end < 0:
+        return None
+    head = action[:end]
+    start = head.rfind("<calc>")
+    return head[start + len("<calc>") :] if start >= 0 else head
 
 
 @environment("calculator")
@@ -41,12 +50,12 @@ class Calculator(Environment):
 
     def step(self, action: str) -> StepResult:
         action = action[:MAX_ACTION_CHARS]
-        call = _CALL.search(action)
+        call = tool_call(action)
         if call is None:  # the final answer
             correct = last_number(action) == self.truth
             return StepResult("", float(correct), True, {"tool_calls": 0.0})
         try:
-            reply = show(evaluate(call.group(1).strip()).value)
+            reply = show(evaluate(call.strip()).value)
         except (EquationError, ZeroDivisionError) as e:
             reply = f"error: {e}"
         return StepResult(reply, 0.0, False, {"tool_calls": 1.0})

@@ -154,6 +154,28 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
         assert m["minibatches"] == 0  # a round empty on every rank is never run
 
 
+def test_a_multi_turn_run_trains_on_model_tokens_only(tiny_model_dir, tmp_path):
+    """`run` with an environment instead of verifiers (2 ranks, KL on): episodes of two turns
+    with the environment's line between them. The sampler-vs-trainer mismatch, taken over
+    the loss tokens, stays at fp32 noise: an environment token among them would add its
+    whole log-prob (the sampler's is 0 there)."""
+    metrics = _run(
+        tiny_model_dir,
+        tmp_path / "env",
+        2,
+        "environment.name=envs_for_tests:VowelTurns",
+        "trainer.save_every=0",
+    )
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["turns/mean"] == 2.0 and m["vowel_turns/mean"] == 2.0
+        assert m["env/errors"] == 0.0 and m["grad_norm"] > 0
+        assert m["mismatch_abs_mean"] < 1e-3, m["mismatch_abs_mean"]
+        assert m["samples/unaccounted"] == 0.0 and m["kl"] >= 0.0
+    console = (tmp_path / "env" / "console.txt").read_text()
+    assert "verifier" not in console.lower()
+
+
 def test_a_step_where_every_sample_fails_to_score_stops_the_run(tiny_model_dir, tmp_path):
     """Every sample's reward raises: the run stops after step 1 with one line giving the
     count and the first reasons, exit 2, instead of training on zero rewards."""

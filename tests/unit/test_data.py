@@ -6,7 +6,13 @@ from pathlib import Path
 import pytest
 
 from async_grpo.data import DataError, PromptSampler, load_prompts, write_jsonl
-from async_grpo.data.generate import arithmetic_rows, countdown_rows, math_rows
+from async_grpo.data.generate import (
+    arithmetic_rows,
+    calculator_rows,
+    countdown_rows,
+    guess_rows,
+    math_rows,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,6 +59,7 @@ def test_missing_answer_on_line_9_is_one_line_exit_2(tmp_path):
         ({"input": "q", "answer": 1, "input_token_ids": [1, -2]}, "field 'input_token_ids'"),
         ({"input": "q", "answer": 1, "input_token_ids": "12"}, "field 'input_token_ids'"),
         ({"input": "q", "answer": 1, "extra": 1}, "field 'extra': unknown"),
+        ({"input": "q", "answer": 1, "prefill": 3}, "field 'prefill': expected a string"),
         ([1, 2], "expected a JSON object"),
     ],
 )
@@ -64,7 +71,13 @@ def test_schema_errors(tmp_path, row, message):
 
 
 def test_shipped_sample_data_is_valid():
-    for name in ("countdown.jsonl", "math.jsonl", "arithmetic.jsonl"):
+    for name in (
+        "countdown.jsonl",
+        "math.jsonl",
+        "arithmetic.jsonl",
+        "calculator.jsonl",
+        "guess.jsonl",
+    ):
         assert len(load_prompts(REPO / "sample-data" / name)) >= 100
 
 
@@ -95,6 +108,22 @@ def test_arithmetic_generator_is_seeded_and_correct():
         assert int(row["answer"]) == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
         ops.add(op)
     assert ops == {"+", "-", "*"}
+
+
+def test_multi_turn_generators_are_seeded_and_correct():
+    import re
+
+    rows = calculator_rows(100, seed=1, digits=(3, 2))
+    assert rows == calculator_rows(100, seed=1) and rows != calculator_rows(100, seed=2)
+    for row in rows:
+        a, b = map(int, re.search(r"compute (\d+) \* (\d+)\.$", row["input"]).groups())
+        assert 100 <= a <= 999 and 10 <= b <= 99 and row["answer"] == str(a * b)
+        assert row["prefill"] == "<calc>"
+    secrets = [r["answer"] for r in guess_rows(200, seed=0, high=20)]
+    assert set(secrets) == set(range(1, 21))
+    assert guess_rows(1, seed=0, high=20)[0]["metadata"] == {"low": 1, "high": 20}
+    r = _cli("data", "calculator", "--digits", "0", "2", "-o", "/tmp/never.jsonl")
+    assert r.returncode == 2 and "--digits: each must be >= 1" in r.stderr
 
 
 def test_write_jsonl_is_atomic(tmp_path):
@@ -137,6 +166,13 @@ def test_tokenize_writes_chat_token_ids(tmp_path, smollm2_dir):
     text = tok.decode(prompts[0].input_token_ids)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
     assert prompts[0].input in text
+    # a prefill opens the model's turn: its tokens follow the template's
+    write_jsonl(src, calculator_rows(2, seed=0))
+    r = _cli("data", "tokenize", str(src), "--model", str(smollm2_dir), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    (first, _) = load_prompts(out)
+    assert tok.decode(first.input_token_ids).endswith("<|im_start|>assistant\n<calc>")
+    assert first.prefill == "<calc>"
 
 
 def test_sampler_index_at_matches_the_sequence():

@@ -244,3 +244,28 @@ def test_the_batcher_trains_episodes_with_loss_counts_of_model_tokens_only(token
     assert 0 < eob.stats["reward/mean"] < 1
     assert eob.stats["env/errors"] == 0.0 and eob.stats["samples/unaccounted"] == 0.0
     assert worker.live() == 0
+
+
+@pytest.mark.parametrize("on_error", ["score", "regenerate"])
+def test_a_failing_environment_is_scored_or_its_group_regenerated(tokenizer, on_error):
+    cfg = _cfg("test_breaks", on_error=on_error)
+    prompts = [replace(_prompt(tokenizer, 2 + i, 3), metadata={"mode": "raise"}) for i in range(4)]
+
+    async def main():
+        b = ExperienceBatcher(cfg, prompts, num_ranks=1, turns=TurnFormat(tokenizer, 16))
+        envs = InProcessEnvironments(cfg.environment)
+        b._clients = {"generation": ScriptedModel(tokenizer), "environment": envs}
+        await b.start(0)
+        await b.set_version(0)
+        while not isinstance(item := await b.get(0, 30), EndOfBatch):
+            pass
+        await b.stop()
+        return item, envs.worker
+
+    eob, worker = asyncio.run(asyncio.wait_for(main(), 60))
+    books = eob.stats
+    assert books["samples/unaccounted"] == 0.0 and worker.live() == 0
+    if on_error == "score":  # all reward 0: counted, with the reason
+        assert books["samples/skipped"] == 6 and books["env/errors/error"] == 6
+    else:  # 3 attempts per group, then the slot is missing
+        assert books["dropped/env_error"] == 2 * 3 * 3 and books["samples/missing"] == 6

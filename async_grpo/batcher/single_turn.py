@@ -1,0 +1,62 @@
+"""A single-turn group: `n` completions of one prompt, scored by the verifier pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from async_grpo.batcher.types import ScoredSample
+from async_grpo.config import RunConfig
+from async_grpo.data import Prompt
+from async_grpo.inference.types import SamplingSettings
+
+
+async def single_turn_group(
+    cfg: RunConfig,
+    clients: dict[str, Any],
+    books: dict[str, float],
+    score_book: list[Any],
+    prompt: Prompt,
+    sampling: SamplingSettings,
+    step: int,
+    reissued: Any,
+) -> list[ScoredSample] | None:
+    """The scored group (advantages left 0.0 for the caller), or None when it came back
+    staler than the bound. `books` gets the step's sample counts; `score_book` is the step's
+    [failed, scored, first reasons] of the verifier."""
+    from async_grpo.rewards import RewardInput
+
+    n, ids = cfg.batcher.samples_per_question, prompt.input_token_ids
+    k = cfg.batcher.max_off_policy_steps
+    completions = await clients["generation"].call(
+        n, "generate", ids, n, sampling, on_retry=reissued, min_version=step - k
+    )
+    books["samples/generated"] += len(completions)
+    if step - min(c.policy_version for c in completions) > k:
+        books["dropped/stale"] += n
+        return None
+    scored = await clients["verifier"].call(
+        n,
+        "score",
+        [RewardInput(prompt.input, c.text, prompt.answer, prompt.metadata) for c in completions],
+        on_retry=reissued,
+    )
+    books["samples/scored"] += len(scored)
+    score_book[1] += len(scored)
+    for s in scored:
+        if s.reason.startswith(("error", "timeout")):
+            score_book[0] += 1
+            if len(score_book[2]) < 3:
+                score_book[2].append(s.reason)
+    return [
+        ScoredSample(
+            ids,
+            c.token_ids,
+            c.logprobs,
+            s.reward,
+            s.components,
+            0.0,
+            c.policy_version,
+            c.finish_reason == "length",
+        )
+        for c, s in zip(completions, scored, strict=True)
+    ]
