@@ -103,6 +103,9 @@ class BatcherConfig:
         True  # equal-reward groups: counted, not run (exact if no KL/entropy)
     )
     max_missing_fraction: float = 1.0  # a step with this share of samples never arriving stops
+    curriculum: bool = False  # draw prompts by measured mastery (data/curriculum.py)
+    curriculum_floor: float = 0.1  # draw weight of a prompt always or never solved (1.1: unseen)
+    curriculum_pass: float = 1.0  # a sample passes (counts to mastery) at this reward or above
     seed: int = 0
 
 
@@ -311,6 +314,8 @@ def validate(cfg: RunConfig) -> None:
             f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
             f" above batcher.max_off_policy_steps={b.max_off_policy_steps}; the run would stall"
         )
+    if b.curriculum_floor <= 0:
+        raise ConfigError(f"batcher.curriculum_floor: must be > 0, got {b.curriculum_floor}")
     if not 0 < b.max_missing_fraction <= 1:
         raise ConfigError(
             f"batcher.max_missing_fraction: must be in (0, 1], got {b.max_missing_fraction}"

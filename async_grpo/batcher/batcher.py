@@ -41,6 +41,7 @@ from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
 from async_grpo.core.packing import packed_tokens, plan_minibatches
 from async_grpo.data import Prompt, PromptSampler
+from async_grpo.data.curriculum import Curriculum
 from async_grpo.environments.pool import EnvironmentFailed
 from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
 
@@ -68,6 +69,12 @@ class ExperienceBatcher:
             raise ValueError("ExperienceBatcher needs tokenized prompts (input_token_ids)")
         self.cfg, self.prompts, self.num_ranks = cfg, prompts, num_ranks
         self.sampler = PromptSampler(len(prompts), cfg.batcher.seed)
+        self.curriculum: Curriculum | None = None
+        if cfg.batcher.curriculum:
+            b = cfg.batcher
+            self.curriculum = Curriculum(
+                len(prompts), b.seed, b.max_off_policy_steps, b.curriculum_floor
+            )
         self._clients = clients
         self._turns = turns
         self._episodes: Any = None  # an EpisodeRunner in an environment run
@@ -102,10 +109,16 @@ class ExperienceBatcher:
 
     # -- control, called by trainer rank 0 ------------------------------------------------
     async def start(
-        self, start_step: int, preloaded: dict[int, list[list[ScoredSample] | None]] | None = None
+        self,
+        start_step: int,
+        preloaded: dict[int, list[list[ScoredSample] | None]] | None = None,
+        curriculum: dict[str, Any] | None = None,
     ) -> None:
         """Begin producing at `start_step`; `preloaded` (from a checkpoint's `pending`) holds
-        steps generated before the interruption, replayed instead of generated again."""
+        steps generated before the interruption, replayed instead of generated again;
+        `curriculum`: the checkpoint's mastery table."""
+        if curriculum is not None and self.curriculum is not None:
+            self.curriculum.load_state_dict(curriculum)
         from async_grpo.inference.client import PoolClient
 
         env_run = self.cfg.environment.name is not None
@@ -176,6 +189,10 @@ class ExperienceBatcher:
             if step >= from_step and len(slots) == q
         }
 
+    async def curriculum_state(self, through: int) -> dict[str, Any] | None:
+        """The mastery table with steps <= `through` in it (for a checkpoint), if drawn so."""
+        return None if self.curriculum is None else self.curriculum.state_dict(through)
+
     async def score_failure_reasons(self, step: int) -> list[str]:
         """The first reasons (up to 3) why samples of `step` failed to score."""
         return self.failure_reasons.get(step, [])
@@ -231,17 +248,24 @@ class ExperienceBatcher:
                     lambda s=step: self.version >= s - b.max_off_policy_steps
                 )
             self._tasks = [t for t in self._tasks if not t.done()]  # keep the list short
-            for slot in range(b.questions_per_step):
+            q = b.questions_per_step
+            if self.curriculum is not None and step not in self._preloaded:
+                drawn = self.curriculum.draw(step, q)
+            else:
+                drawn = [self.sampler.index_at(step * q + slot) for slot in range(q)]
+            for slot in range(q):
                 self._unfinished += 1
                 self._tasks.append(
-                    asyncio.get_running_loop().create_task(self._guard(self._group(step, slot)))
+                    asyncio.get_running_loop().create_task(
+                        self._guard(self._group(step, slot, drawn[slot]))
+                    )
                 )
             step += 1
             async with self._progress:
                 self._cursor = step
                 self._progress.notify_all()
 
-    async def _group(self, step: int, slot: int) -> None:
+    async def _group(self, step: int, slot: int, index: int) -> None:
         """Make (or replay) one group and hand it to the emitter; None if it failed."""
         n = self.cfg.batcher.samples_per_question
         try:
@@ -250,7 +274,7 @@ class ExperienceBatcher:
                 group = self._preloaded[step][slot]
                 self.books[step]["samples/replayed"] += len(group or [])
             else:
-                group = await self._find_group(step, slot)
+                group = await self._find_group(step, slot, index)
             if group is None:
                 self.books[step]["samples/missing"] += n
             self._groups[step][slot] = group
@@ -260,9 +284,9 @@ class ExperienceBatcher:
             async with self._progress:
                 self._progress.notify_all()
 
-    async def _find_group(self, step: int, slot: int) -> list[ScoredSample] | None:
+    async def _find_group(self, step: int, slot: int, index: int) -> list[ScoredSample] | None:
         b, g = self.cfg.batcher, self.cfg.generation
-        prompt = self.prompts[self.sampler.index_at(step * b.questions_per_step + slot)]
+        prompt = self.prompts[index]
         books, n = self.books[step], b.samples_per_question
         for attempt in range(GROUP_ATTEMPTS):
             seed = random.Random(f"{b.seed}:{step}:{slot}:{attempt}").getrandbits(31)
@@ -281,6 +305,8 @@ class ExperienceBatcher:
                 print(f"batcher: step {step} slot {slot} attempt {attempt}: {e}", flush=True)
                 continue
             if group is not None:
+                for s in group:
+                    s.prompt_index = index
                 return group
         return None  # the batch goes on without this group (counted)
 
@@ -380,6 +406,12 @@ class ExperienceBatcher:
             tokens, count = self._loss_counts(samples)
             skip_tokens, skip_count = self._loss_counts(skipped)
             stats["skipped_samples"] = float(len(skipped))
+            if self.curriculum is not None:
+                passing = self.cfg.batcher.curriculum_pass
+                for grp in (g for g in groups if g[0].prompt_index >= 0):
+                    passes = sum(s.reward >= passing for s in grp)
+                    self.curriculum.record(step, grp[0].prompt_index, passes, len(grp))
+                stats |= self.curriculum.stats()
             async with self._emitting:
                 for r in range(self.num_ranks):
                     eob = EndOfBatch(step, tokens, count, passes, stats, skip_tokens, skip_count)

@@ -124,7 +124,7 @@ class EpisodeRunner:
                 0.0 if e.error else e.reward,
                 {},
                 0.0,
-                min(e.versions),
+                min(e.versions, default=min_version),
                 not e.done and not e.error,
                 None,
                 e.mask,

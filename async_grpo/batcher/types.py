@@ -30,6 +30,7 @@ class ScoredSample:
     ref_logprobs: list[float] | None = None
     completion_mask: list[bool] | None = None
     episode: dict[str, float] | None = None
+    prompt_index: int = -1  # which prompt of the data (the curriculum's records)
 
     def to_pack_input(self) -> PackInput:
         return PackInput(

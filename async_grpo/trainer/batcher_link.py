@@ -33,8 +33,17 @@ class RemoteBatcher:
         ref = self.handle.get.remote(self.rank, self.timeout_s)
         return ray.get(ref, timeout=self.timeout_s + 60)
 
-    def start(self, step: int, preloaded: dict[int, Any] | None = None) -> None:
-        self._call("start", step, preloaded)
+    def start(
+        self,
+        step: int,
+        preloaded: dict[int, Any] | None = None,
+        curriculum: dict[str, Any] | None = None,
+    ) -> None:
+        self._call("start", step, preloaded, curriculum)
+
+    def curriculum_state(self, through: int) -> dict[str, Any] | None:
+        """The curriculum's mastery table through step `through` (None: not drawn so)."""
+        return self._call("curriculum_state", through)
 
     def wait_generated(self) -> None:
         """Until every step the current version allows is generated (before a push)."""

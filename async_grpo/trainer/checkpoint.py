@@ -37,7 +37,7 @@ def save(
     full_state: dict[str, Any],
     tokenizer_dir: str,
     rank: int,
-    counters: dict[str, int] | None = None,
+    counters: dict[str, Any] | None = None,
     pending: dict[int, Any] | None = None,
 ) -> Path:
     """Collective: every rank writes its shard; rank 0 writes the HF folder and the state

@@ -57,6 +57,7 @@ class Trainer:
         self.start = 0
         self.samples_seen = 0  # samples trained on (with a loss token), over all steps
         self.pending: dict[int, Any] = {}  # groups a checkpoint kept for the next steps
+        self.curriculum: dict[str, Any] | None = None  # a checkpoint's mastery table
         self.attention_reason = ""
         self.pusher: Any = None
         self.resumed_hf: str | None = None  # the checkpoint this run resumed from
@@ -74,6 +75,7 @@ class Trainer:
         self.samples_seen = int(info.get("samples_seen", 0))
         if self.rank == 0:
             self.pending = checkpoint.load_pending(path)
+            self.curriculum = info.get("curriculum")
 
     def run(self) -> None:
         self.t_start = time.perf_counter()
@@ -86,7 +88,7 @@ class Trainer:
             self._write_params()
             total = self.cfg.trainer.max_steps
             self.bar = tqdm(total=total, initial=self.start, desc="steps", dynamic_ncols=True)
-            self.batcher.start(self.start, self.pending)
+            self.batcher.start(self.start, self.pending, self.curriculum)
             self.batcher.set_version(self.start)
         for step in range(self.start, self.cfg.trainer.max_steps):
             self.step(step)
@@ -266,7 +268,9 @@ class Trainer:
                 self.batcher.set_version(done)
         if save:
             ts = time.perf_counter()
-            counters = {"samples_seen": self.samples_seen}
+            counters: dict[str, Any] = {"samples_seen": self.samples_seen}
+            if self.rank == 0 and self.cfg.batcher.curriculum:
+                counters["curriculum"] = self.batcher.curriculum_state(step)
             checkpoint.save(
                 self.cfg.output_dir,
                 done,

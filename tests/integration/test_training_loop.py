@@ -202,6 +202,7 @@ ASYNC = (
     "batcher.questions_per_step=2",
     "batcher.max_off_policy_steps=1",
     "generation.max_concurrent_seqs=6",  # one group at a time: the engine's batch is fixed
+    "batcher.curriculum=true",  # drawn by mastery; the table goes into each checkpoint
 )
 
 
@@ -213,6 +214,8 @@ def async_runs(tiny_model_dir, tmp_path_factory):
     full = _run(tiny_model_dir, base / "run", 4, *ASYNC)
     step3 = base / "run" / "checkpoints" / "step_3"
     pending = (step3 / "pending_groups.json").is_file()
+    state = json.loads((step3 / "trainer_state.json").read_text())
+    assert state["curriculum"]["through"] == 2 and state["curriculum"]["table"]
     resumed = _run(tiny_model_dir, base / "run", 4, *ASYNC, "--resume", str(step3))
     return full, pending, resumed
 
@@ -226,6 +229,7 @@ def test_async_steps_train_on_one_step_stale_samples(async_runs):
     assert all(m["samples"] == 12 and m["grad_norm"] > 0 for m in full)
     assert [m["staleness/max"] for m in full] == [0.0, 1.0, 1.0, 1.0]  # fixed lag
     assert [m["samples_seen"] for m in full] == [12, 24, 36, 48]
+    assert [m["curriculum/prompts_seen"] > 0 for m in full] == [True] * 4
     assert not any(k.startswith("dropped/") and v for m in full for k, v in m.items())
 
 

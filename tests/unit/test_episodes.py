@@ -269,3 +269,15 @@ def test_a_failing_environment_is_scored_or_its_group_regenerated(tokenizer, on_
         assert books["samples/skipped"] == 6 and books["env/errors/error"] == 6
     else:  # 3 attempts per group, then the slot is missing
         assert books["dropped/env_error"] == 2 * 3 * 3 and books["samples/missing"] == 6
+
+
+def test_an_episode_survives_the_checkpoint_round_trip(tokenizer, tmp_path):
+    """Pending groups go into checkpoints as JSON and are replayed on resume."""
+    import json
+    from dataclasses import asdict
+
+    from async_grpo.trainer.checkpoint import PENDING_FILE, load_pending
+
+    group, _ = _group(_cfg(), tokenizer, ScriptedModel(tokenizer), _prompt(tokenizer, 5, 6))
+    (tmp_path / PENDING_FILE).write_text(json.dumps({"3": [[asdict(s) for s in group], None]}))
+    assert load_pending(tmp_path) == {3: [group, None]}

@@ -1,0 +1,103 @@
+"""Curriculum: prompts drawn by measured mastery instead of in a fixed shuffled order.
+
+Each prompt's mastery is its pass rate over the groups generated for it so far, smoothed
+towards 1/2 for prompts seen rarely: m = (passes + 1) / (samples + 2). A prompt is drawn
+with weight `floor + 4 m (1 - m)`: 1 + floor for an unseen or half-solved prompt, `floor`
+for one always or never solved, so the steps go where the groups have mixed rewards (the
+only groups GRPO learns from).
+
+Exact resume: the draws of step s use the results of steps <= s - lag - 1 only (the steps
+already trained when step s may start under the fixed lag), folded in step order, and a
+random generator seeded by (seed, step). So a run draws the same prompts whenever it was
+interrupted; the checkpoint keeps the folded table (`state_dict`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from typing import Any
+
+
+class Curriculum:
+    """Mastery per prompt index; `draw(step, k)` -> k distinct prompt indices."""
+
+    def __init__(self, num_prompts: int, seed: int, lag: int, floor: float = 0.1) -> None:
+        if num_prompts <= 0 or floor <= 0:
+            raise ValueError(f"need num_prompts > 0 and floor > 0, got {num_prompts}, {floor}")
+        self.num_prompts, self.seed, self.lag, self.floor = num_prompts, seed, lag, floor
+        self.samples = [0] * num_prompts  # over the folded steps
+        self.passes = [0] * num_prompts
+        self.folded_through = -1  # the last step whose results are in the table
+        self._results: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+
+    def record(self, step: int, index: int, passes: int, samples: int) -> None:
+        """Step `step`'s group of prompt `index` had `passes` of `samples` passing."""
+        if step > self.folded_through:  # a replayed step already in the table is not counted twice
+            self._results[step].append((index, passes, samples))
+
+    def mastery(self, index: int) -> float:
+        return (self.passes[index] + 1) / (self.samples[index] + 2)
+
+    def weight(self, index: int) -> float:
+        m = self.mastery(index)
+        return self.floor + 4 * m * (1 - m)
+
+    def draw(self, step: int, k: int) -> list[int]:
+        """The k prompts of step `step`, distinct while k <= num_prompts."""
+        self._fold(step - self.lag - 1)
+        rng = random.Random(f"{self.seed}:curriculum:{step}")
+        weights = [self.weight(i) for i in range(self.num_prompts)]
+        chosen: list[int] = []
+        for _ in range(k):
+            if len(chosen) == self.num_prompts:  # more draws than prompts: start over
+                weights = [self.weight(i) for i in range(self.num_prompts)]
+            i = rng.choices(range(self.num_prompts), weights)[0]
+            chosen.append(i)
+            weights[i] = 0.0
+        return chosen
+
+    def _fold(self, through: int) -> None:
+        for step in sorted(s for s in self._results if s <= through):
+            for index, passes, samples in self._results.pop(step):
+                self.passes[index] += passes
+                self.samples[index] += samples
+        self.folded_through = max(self.folded_through, through)
+
+    def stats(self) -> dict[str, float]:
+        """Over the prompts seen so far (every recorded group, trained or not): how many,
+        and the shares mastered (m > 0.9) and unsolved (m < 0.1)."""
+        samples, passes = Counter(), Counter()
+        for i in range(self.num_prompts):
+            if self.samples[i]:
+                samples[i], passes[i] = self.samples[i], self.passes[i]
+        for results in self._results.values():
+            for index, p, n in results:
+                samples[index] += n
+                passes[index] += p
+        if not samples:
+            return {"curriculum/prompts_seen": 0.0}
+        mastery = [(passes[i] + 1) / (samples[i] + 2) for i in samples]
+        return {
+            "curriculum/prompts_seen": float(len(samples)),
+            "curriculum/mastered_fraction": sum(m > 0.9 for m in mastery) / len(mastery),
+            "curriculum/unsolved_fraction": sum(m < 0.1 for m in mastery) / len(mastery),
+        }
+
+    def state_dict(self, through: int) -> dict[str, Any]:
+        """The table with the results of steps <= `through` folded in (a checkpoint after
+        step `through`: every later draw folds at least that far)."""
+        self._fold(through)
+        seen = {
+            i: [self.samples[i], self.passes[i]] for i in range(self.num_prompts) if self.samples[i]
+        }
+        return {"num_prompts": self.num_prompts, "through": through, "table": seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_prompts"] != self.num_prompts:
+            raise ValueError(
+                f"curriculum state is for {state['num_prompts']} prompts, not {self.num_prompts}"
+            )
+        for i, (samples, passes) in state["table"].items():
+            self.samples[int(i)], self.passes[int(i)] = samples, passes
+        self.folded_through = state["through"]
