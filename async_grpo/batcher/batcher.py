@@ -409,8 +409,8 @@ class ExperienceBatcher:
             if self.curriculum is not None:
                 passing = self.cfg.batcher.curriculum_pass
                 for grp in (g for g in groups if g[0].prompt_index >= 0):
-                    passes = sum(s.reward >= passing for s in grp)
-                    self.curriculum.record(step, grp[0].prompt_index, passes, len(grp))
+                    passed = sum(s.reward >= passing for s in grp)
+                    self.curriculum.record(step, grp[0].prompt_index, passed, len(grp))
                 stats |= self.curriculum.stats()
             async with self._emitting:
                 for r in range(self.num_ranks):
