@@ -88,14 +88,16 @@ def test_the_batcher_draws_by_mastery_and_reports_it():
         b, _ = _make(cfg)
         await b.start(0)
         await b.set_version(0)
+        rounds = 0
         while not isinstance(item := await b.get(0, 30), EndOfBatch):
-            pass
+            rounds += 1
         while not isinstance(await b.get(1, 30), EndOfBatch):
             pass
         await b.stop()
-        return b, item
+        return b, item, rounds
 
-    b, eob = asyncio.run(asyncio.wait_for(main(), 60))
+    b, eob, rounds = asyncio.run(asyncio.wait_for(main(), 60))
+    assert eob.num_minibatches == rounds > 0  # the curriculum's counts leave the books alone
     assert eob.stats["curriculum/prompts_seen"] == 4.0
     assert sum(b.curriculum._results[0][i][2] for i in range(4)) == 16  # 4 groups of 4
     assert {r[0] for r in b.curriculum._results[0]} == set(b.curriculum.draw(0, 4))
