@@ -61,9 +61,27 @@ def _data(args: argparse.Namespace) -> int:
 
         prompts = tokenize_prompts(load_prompts(args.input), resolve_model(args.model))
         rows = [p.to_json() for p in prompts]
+    if getattr(args, "exclude", None):
+        rows = held_out_rows(rows, args.exclude)
     n = write_jsonl(args.out, rows)
     print(f"wrote {n} rows to {args.out}")
     return 0
+
+
+def held_out_rows(rows: list[dict], exclude: list[str]) -> list[dict]:
+    """`rows` without any whose prompt is in one of the `exclude` files, and without
+    repeats: a held-out evaluation set (`eval.data`)."""
+    from async_grpo.data import load_prompts
+
+    seen = {p.input for path in exclude for p in load_prompts(path)}
+    kept = []
+    for row in rows:
+        if row["input"] not in seen:
+            seen.add(row["input"])
+            kept.append(row)
+    if not kept:
+        raise UserError(f"--exclude: every generated prompt is in {', '.join(exclude)}")
+    return kept
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -148,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--high", type=int, default=10)
     d.add_argument("-o", "--out", required=True)
+    for gen in ("countdown", "math", "arithmetic", "calculator", "guess"):
+        dsub.choices[gen].add_argument(
+            "--exclude",
+            nargs="+",
+            metavar="FILE",
+            help="drop prompts found in these files, and repeats (a held-out set)",
+        )
     d = dsub.add_parser("check", help="validate a prompt JSONL file")
     d.add_argument("input")
     d = dsub.add_parser("tokenize", help="add input_token_ids with the model's chat template")
@@ -172,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_parsers(sub)
     add_plot_parser(sub)
+    from async_grpo.evaluation.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 

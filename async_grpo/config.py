@@ -153,6 +153,48 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation during a run (async_grpo/evaluation): the generation pool at the
+    version just pushed, scored by the verifier pool. Off while `data` is None."""
+
+    data: str | None = None  # JSONL of held-out prompts (none may be a training prompt)
+    every: int = 10  # evaluate every this many policy versions (a multiple of push_every)
+    at_start: bool = True  # also the starting weights (version 0, or the resumed one)
+    max_questions: int | None = None  # the first N prompts of the file; None: all of them
+    samples_per_question: int = 1  # n; pass@k is reported for each k of `pass_k` <= n
+    pass_k: list[int] = field(default_factory=lambda: [1])  # each k in 1..samples_per_question
+    temperature: float = 0.0  # 0: greedy
+    max_new_tokens: int | None = None  # None: generation.max_new_tokens
+    pass_threshold: float = 1.0  # a sample passes at this reward or above
+    rewards: list[str] | None = None  # None: verifier.rewards (combined the same way)
+    max_concurrent_seqs: int = 32  # eval sequences in flight at once, over the whole pool
+    timeout_s: float = 600.0  # one evaluation, all of it; the next push waits for it
+    seed: int = 0  # sampling seeds per question (the same at every version)
+
+
+@dataclass
+class TrackersConfig:
+    """Experiment trackers beside training_metrics.jsonl: the same metric names in each
+    (async_grpo/sinks). Each needs its package (the `trackers` extra)."""
+
+    tensorboard: bool = False  # output_dir/tensorboard
+    wandb: bool = False  # Weights & Biases; offline by default (`wandb sync` later)
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: no network, no login
+    mlflow: bool = False  # MLflow; a local store under output_dir/mlruns by default
+    mlflow_uri: str | None = None  # None: file store in output_dir/mlruns
+    project: str = "async-grpo"  # the W&B project and the MLflow experiment
+    run_name: str | None = None  # None: the output_dir's folder name
+
+
+@dataclass
+class HookSpec:
+    """A user hook (trainer/hooks.py): `path` is `module:Class`, built with `args`."""
+
+    path: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RunConfig:
     """The whole run. `model` is a Hugging Face folder (see `async-grpo prepare-model`)."""
 
@@ -160,7 +202,8 @@ class RunConfig:
     data: str = "sample-data/countdown.jsonl"
     output_dir: str = "outputs/run"
     ray_address: str | None = None  # None: start a local Ray instance
-    tensorboard: bool = False  # metrics also to output_dir/tensorboard (needs tensorboard)
+    sample_every: int = 0  # every k steps, a few training samples to output_dir/samples.jsonl
+    samples_logged: int = 4  # samples written each time (the file is bounded, see docs)
     max_worker_restarts: int = 3  # dead pool workers `run` replaces over a run, then it stops
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     logprob: LogprobConfig = field(default_factory=LogprobConfig)
@@ -168,6 +211,9 @@ class RunConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    hooks: list[HookSpec] = field(default_factory=list)  # user hooks: [{path: mod:Class, args: {}}]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -185,6 +231,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             raise ConfigError(f"{path}: expected a mapping at the top level")
     for item in overrides:
         apply_override(raw, item)
+    if "tensorboard" in raw:  # moved into the trackers section
+        raise ConfigError("tensorboard: moved; use trackers.tensorboard (see docs/metrics.md)")
     cfg = from_dict(RunConfig, raw, "")
     validate(cfg)
     return cfg
@@ -348,6 +396,7 @@ def validate(cfg: RunConfig) -> None:
             " use flex or auto"
         )
     validate_environment(cfg)
+    validate_eval(cfg)
     loss = t.loss
     if not (0 <= loss.clip_low < 1) or loss.clip_high < 0:
         raise ConfigError(
@@ -393,4 +442,56 @@ def validate_environment(cfg: RunConfig) -> None:
         raise ConfigError(
             f"environment.max_episode_tokens: {budget} leaves no room for a prompt in"
             f" generation.max_model_len={g.max_model_len}"
+        )
+
+
+def validate_eval(cfg: RunConfig) -> None:
+    """Evaluation settings that could not run, and hooks without a class."""
+    e = cfg.eval
+    for i, h in enumerate(cfg.hooks):
+        if ":" not in h.path:
+            raise ConfigError(f"hooks[{i}].path: expected module:Class, got {h.path!r}")
+    if cfg.sample_every < 0 or cfg.samples_logged < 0:
+        raise ConfigError("sample_every/samples_logged: must be >= 0")
+    if e.data is None:
+        return
+    for key in ("every", "samples_per_question", "max_concurrent_seqs", "timeout_s"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"eval.{key}: must be > 0, got {getattr(e, key)}")
+    if e.max_questions is not None and e.max_questions <= 0:
+        raise ConfigError(f"eval.max_questions: must be > 0, got {e.max_questions}")
+    if e.every % cfg.trainer.push_every:
+        raise ConfigError(
+            f"eval.every: {e.every} is not a multiple of trainer.push_every="
+            f"{cfg.trainer.push_every}; only pushed versions reach the generation pool"
+        )
+    if e.samples_per_question > cfg.generation.max_concurrent_seqs:
+        raise ConfigError(
+            f"eval.samples_per_question: {e.samples_per_question} exceeds"
+            f" generation.max_concurrent_seqs={cfg.generation.max_concurrent_seqs}"
+        )
+    bad = [k for k in e.pass_k if not 1 <= k <= e.samples_per_question]
+    if bad or not e.pass_k:
+        raise ConfigError(
+            f"eval.pass_k: each k must be in 1..eval.samples_per_question="
+            f"{e.samples_per_question}, got {e.pass_k}"
+        )
+    if e.temperature < 0:
+        raise ConfigError(f"eval.temperature: must be >= 0, got {e.temperature}")
+    if e.temperature == 0 and e.samples_per_question > 1:
+        raise ConfigError(
+            f"eval.samples_per_question: {e.samples_per_question} greedy samples are all the"
+            " same; use eval.temperature > 0 for pass@k"
+        )
+    n = e.max_new_tokens
+    if n is not None and not 0 < n < cfg.generation.max_model_len:
+        raise ConfigError(
+            f"eval.max_new_tokens: must be in 1..{cfg.generation.max_model_len - 1}, got {n}"
+        )
+    if e.rewards is not None and not e.rewards:
+        raise ConfigError("eval.rewards: name at least one reward, or leave it out")
+    if cfg.environment.name is not None:
+        raise ConfigError(
+            "eval.data: held-out evaluation scores single-turn completions with the verifier"
+            " pool; it does not run environment episodes yet"
         )

@@ -4,27 +4,31 @@ In: the trainer's per-step scalars (python, numpy or torch scalars). Out: one JS
 per line, `{"step": 3, "reward/mean": 0.41, ...}`, flushed at once so a killed run keeps
 every finished step. NaN and infinities are not valid JSON: they are written as `null`
 and counted in `MetricsWriter.non_finite` (and warned about once), never raised, so one
-bad batch cannot stop a run. `read_metrics` reads the file back for `async-grpo plot`.
+bad batch cannot stop a run. The same rows (finite values only) and the config also go to
+the experiment trackers the config turns on (`async_grpo/sinks`: TensorBoard, W&B,
+MLflow). `read_metrics` reads the file back for `async-grpo plot`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from async_grpo.errors import UserError
+from async_grpo.sinks.base import MetricsSink
+from async_grpo.sinks.base import warn as _warn
+from async_grpo.sinks.select import open_sinks
+
+if TYPE_CHECKING:
+    from async_grpo.config import TrackersConfig
 
 PARAMS_FILE = "training_params.json"
 METRICS_FILE = "training_metrics.jsonl"
-
-
-def _warn(message: str) -> None:
-    print(f"async-grpo: warning: {message}", file=sys.stderr)
 
 
 def to_scalar(key: str, value: Any) -> int | float | None:
@@ -52,14 +56,20 @@ class MetricsWriter:
 
     The file is opened in append mode, so a resumed run continues the same file; with
     `after_step` the rows of later steps (written by a run that went on past the
-    checkpoint it is resumed from) are dropped first, so every step appears once. With
-    `tensorboard=True` the same scalars also go to a TensorBoard event file in
-    `output_dir/tensorboard` when `torch.utils.tensorboard` is importable (otherwise a
-    warning and nothing more).
+    checkpoint it is resumed from) are dropped first, so every step appears once.
+
+    `trackers` opens the experiment trackers it turns on (`sinks.select.open_sinks`; their
+    packages are imported only then). Each row goes to the JSONL first, then its finite
+    values to every sink; the config goes to each sink's `log_params`. A sink that raises
+    is warned about, counted in `sink_errors` and not called again: the JSONL and the other
+    sinks go on, and so does training.
     """
 
     def __init__(
-        self, output_dir: str | Path, tensorboard: bool = False, after_step: int | None = None
+        self,
+        output_dir: str | Path,
+        trackers: TrackersConfig | None = None,
+        after_step: int | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -68,12 +78,20 @@ class MetricsWriter:
         if after_step is not None and self.path.is_file():
             self._keep_until(after_step)
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb = _open_tensorboard(self.output_dir / "tensorboard") if tensorboard else None
+        self.sink_errors = 0  # sinks turned off after they raised
+        self.sinks: list[MetricsSink] = []
+        if trackers is not None:
+            try:
+                self.sinks = open_sinks(trackers, self.output_dir)
+            except BaseException:
+                self._file.close()
+                raise
 
     def write_params(self, params: dict[str, Any]) -> Path:
         """Write `training_params.json` atomically (temp file + rename); return its path.
 
-        Values JSON cannot hold (paths, enums) are written with `str()`.
+        Values JSON cannot hold (paths, enums) are written with `str()`. The sinks get the
+        file's JSON (`log_params`).
         """
         path = self.output_dir / PARAMS_FILE
         text = json.dumps(params, indent=2, sort_keys=True, default=str, allow_nan=False)
@@ -85,6 +103,9 @@ class MetricsWriter:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        written = json.loads(text)
+        for sink in list(self.sinks):
+            self._call(sink, "log_params", written)
         return path
 
     def _keep_until(self, step: int) -> None:
@@ -95,7 +116,8 @@ class MetricsWriter:
                 row = json.loads(text)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill mid-write
-            if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            # a fresh run (step 0) keeps nothing: its step-0 rows (evaluations) are new
+            if isinstance(row, dict) and step > 0 and int(row.get("step", 0)) <= step:
                 kept.append(text if text.endswith("\n") else text + "\n")
         fd, tmp = tempfile.mkstemp(prefix=f".{METRICS_FILE}-", dir=self.output_dir)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -103,7 +125,8 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append `{"step": step, **metrics}` as one line and flush it."""
+        """Append `{"step": step, **metrics}` as one line and flush it; then the non-null
+        values go to each sink."""
         if "step" in metrics:
             raise ValueError("metrics must not contain 'step'; pass it as the step argument")
         row: dict[str, int | float | None] = {"step": int(step)}
@@ -116,33 +139,39 @@ class MetricsWriter:
             row[key] = scalar
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, scalar in row.items():
-                if key != "step" and scalar is not None:
-                    self._tb.add_scalar(key, scalar, global_step=row["step"])
+        scalars = {k: v for k, v in row.items() if k != "step" and v is not None}
+        for sink in list(self.sinks):
+            self._call(sink, "log", row["step"], scalars)
+
+    def _call(self, sink: MetricsSink, method: str, *args: Any) -> None:
+        """`sink.method(*args)`; if it raises: warn, count, close it and stop calling it."""
+        try:
+            getattr(sink, method)(*args)
+        except Exception as e:
+            self.sink_errors += 1
+            self.sinks.remove(sink)
+            _warn(
+                f"metrics sink {sink.name}: {method} raised {e!r}; it is turned off for the"
+                f" rest of the run ({self.path.name} keeps every row)"
+            )
+            if method != "close":
+                # Best effort to release what it holds; its failure is already counted.
+                with contextlib.suppress(Exception):
+                    sink.close()
 
     def close(self) -> None:
-        """Close the JSONL file and the TensorBoard writer; safe to call twice."""
+        """Close the JSONL file and every sink; safe to call twice."""
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in list(self.sinks):
+            self._call(sink, "close")
+        self.sinks = []
 
     def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _open_tensorboard(log_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        _warn("tensorboard=True but the tensorboard package is not installed; skipping it")
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

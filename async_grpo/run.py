@@ -205,6 +205,10 @@ def run_local(
 
     model_dir = str(resolve_model(cfg.model))
     prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len)  # fail early
+    if cfg.eval.data:  # a held-out set that overlaps training is refused before Ray starts
+        from async_grpo.evaluation.hook import held_out_prompts
+
+        held_out_prompts(cfg, model_dir)
     head: LocalHead | None = None
     watchdog = Watchdog()  # a `run` killed outright leaves no head and no ranks behind
     supervisor = PoolSupervisor(cfg.max_worker_restarts)

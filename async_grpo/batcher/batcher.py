@@ -412,9 +412,11 @@ class ExperienceBatcher:
                     passed = sum(s.reward >= passing for s in grp)
                     self.curriculum.record(step, grp[0].prompt_index, passed, len(grp))
                 stats |= self.curriculum.stats()
+            logged = self._samples_to_log(step, groups)
             async with self._emitting:
                 for r in range(self.num_ranks):
                     eob = EndOfBatch(step, tokens, count, passes, stats, skip_tokens, skip_count)
+                    eob.samples = logged if r == 0 else []  # rank 0 writes them
                     await self.channel.put(r, eob, 1, timeout_s=3600)
             step += 1
 
@@ -451,6 +453,19 @@ class ExperienceBatcher:
                 async with self._emitting:
                     for r in range(self.num_ranks):
                         await self.channel.put(r, PushNow(self.version), 1, timeout_s=3600)
+
+    def _samples_to_log(self, step: int, groups: list[list[ScoredSample]]) -> list[dict]:
+        """Every `sample_every` steps, `samples_logged` samples spread over the step's
+        groups (sample i from group i mod G, then the next sample of each): for reading."""
+        every, k = self.cfg.sample_every, self.cfg.samples_logged
+        if not every or (step + 1) % every or not groups:
+            return []
+        picked = []
+        for i in range(min(k, sum(len(g) for g in groups))):
+            group = groups[i % len(groups)]
+            if i // len(groups) < len(group):
+                picked.append(group[i // len(groups)].to_log(step))
+        return picked
 
     def _tokens(self, samples: list[ScoredSample]) -> int:
         """Row tokens of `samples` once packed (prompts shared within a group when on)."""

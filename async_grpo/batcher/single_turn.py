@@ -57,6 +57,7 @@ async def single_turn_group(
             0.0,
             c.policy_version,
             c.finish_reason == "length",
+            reason=s.reason,
         )
         for c, s in zip(completions, scored, strict=True)
     ]

@@ -31,6 +31,22 @@ class ScoredSample:
     completion_mask: list[bool] | None = None
     episode: dict[str, float] | None = None
     prompt_index: int = -1  # which prompt of the data (the curriculum's records)
+    reason: str = ""  # the verifier's reason for the reward
+
+    def to_log(self, step: int) -> dict:
+        """This sample for `samples.jsonl` (token ids; trainer rank 0 decodes them)."""
+        return {
+            "step": step + 1,
+            "prompt_index": self.prompt_index,
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "reward": self.reward,
+            "reason": self.reason,
+            "advantage": self.advantage,
+            "components": self.components,
+            "version": self.version,
+            "truncated": self.truncated,
+        }
 
     def to_pack_input(self) -> PackInput:
         return PackInput(
@@ -82,6 +98,7 @@ class EndOfBatch:
     stats: dict[str, float] = field(default_factory=dict)
     skipped_tokens: int = 0
     skipped_samples: int = 0
+    samples: list[dict] = field(default_factory=list)  # a few, every `sample_every` steps
 
 
 @dataclass

@@ -104,11 +104,13 @@ class PoolClient:
         *args: Any,
         on_retry: Any = None,
         min_version: int = -1,
+        background: bool = False,
         **kwargs: Any,
     ) -> Any:
         """`method(*args, **kwargs)` on a leased worker that serves policy version
         `min_version` or newer; `on_retry()` is called each time the request is sent again
-        because its worker died."""
+        because its worker died. A `background` call (evaluation) is leased only while no
+        other call waits for room in the pool."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         await self.connect()
@@ -116,7 +118,12 @@ class PoolClient:
         for _ in range(self.max_retries + 1):
             lease_id = uuid.uuid4().hex
             granted = self._registry.lease.remote(
-                n, self.lease_timeout_s, self.call_timeout_s + LEASE_SLACK_S, lease_id, min_version
+                n,
+                self.lease_timeout_s,
+                self.call_timeout_s + LEASE_SLACK_S,
+                lease_id,
+                min_version,
+                background,
             )
             try:
                 _, worker_id, handle = await self._ask_registry(

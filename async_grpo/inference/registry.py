@@ -65,6 +65,7 @@ class LeastLoadedRegistry:
         self.dropped: dict[str, str] = {}  # worker id -> reason
         self.reclaimed = {"expired": 0, "unbacked": 0}  # leases taken back (a metric)
         self.restarts = 0  # dead workers a launcher replaced (a metric)
+        self._foreground_waiting = 0  # training leases waiting for room (background yields)
 
     async def register(
         self,
@@ -163,49 +164,71 @@ class LeastLoadedRegistry:
         hold_s: float = DEFAULT_HOLD_S,
         lease_id: str | None = None,
         min_version: int = -1,
+        background: bool = False,
     ) -> tuple[str, str, Any]:
         """The least-loaded live worker with room for `n` sequences that serves policy
         version `min_version` or newer, as (lease id, worker id, handle); waits up to
         `timeout_s`. A worker behind it (a replacement, a late joiner) is not leased until
         a push brings it up. The lease expires after `hold_s` unless released first. A
         caller may choose `lease_id` so it can release a lease whose grant it never saw
-        (it was cancelled while waiting)."""
+        (it was cancelled while waiting). A `background` lease (evaluation) is granted only
+        while no other lease waits for room: training requests always go first."""
         lease_id = lease_id or uuid.uuid4().hex
         deadline = time.monotonic() + timeout_s
-        async with self._changed:
-            while True:
-                if self._released_early.pop(lease_id, None) is not None:
-                    raise PoolUnavailable(f"pool {self.pool!r}: lease {lease_id} was cancelled")
-                self._expire()
-                if self._workers and n > max(w.capacity for w in self._workers.values()):
-                    raise PoolUnavailable(
-                        f"pool {self.pool!r}: a request for {n} sequences can never fit"
-                        f" (largest worker capacity is"
-                        f" {max(w.capacity for w in self._workers.values())})"
-                    )
-                room = [
-                    (w.load / w.capacity, wid)
-                    for wid, w in self._workers.items()
-                    if w.capacity - w.load >= n and w.version >= min_version
-                ]
-                if room:
-                    _, wid = min(room)
-                    now = time.monotonic()
-                    self._leases[lease_id] = _Lease(wid, n, now, now + hold_s)
-                    self._workers[wid].load += n
-                    return lease_id, wid, self._workers[wid].handle
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    behind = sum(w.version < min_version for w in self._workers.values())
-                    what = "no live workers" if not self._workers else "all workers busy"
-                    if behind:
-                        what = f"{behind} worker(s) behind version {min_version}"
-                    raise PoolUnavailable(
-                        f"pool {self.pool!r}: waited {timeout_s:.0f}s to lease {n} sequences"
-                        f" ({what}; dropped: {self.dropped or 'none'})"
-                    )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
+        counted = False  # this foreground lease is in _foreground_waiting
+        try:
+            async with self._changed:
+                while True:
+                    if self._released_early.pop(lease_id, None) is not None:
+                        raise PoolUnavailable(f"pool {self.pool!r}: lease {lease_id} was cancelled")
+                    self._expire()
+                    self._check_fits(n)
+                    room = [
+                        (w.load / w.capacity, wid)
+                        for wid, w in self._workers.items()
+                        if w.capacity - w.load >= n and w.version >= min_version
+                    ]
+                    if room and not (background and self._foreground_waiting):
+                        _, wid = min(room)
+                        now = time.monotonic()
+                        self._leases[lease_id] = _Lease(wid, n, now, now + hold_s)
+                        self._workers[wid].load += n
+                        return lease_id, wid, self._workers[wid].handle
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._lease_timeout(n, timeout_s, min_version, background)
+                    if not background and not counted:
+                        counted = True
+                        self._foreground_waiting += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
+        finally:
+            if counted:
+                self._foreground_waiting -= 1
+                await self._notify()  # a background lease may go now
+
+    def _check_fits(self, n: int) -> None:
+        """PoolUnavailable for a request larger than every worker's capacity."""
+        if self._workers and n > max(w.capacity for w in self._workers.values()):
+            raise PoolUnavailable(
+                f"pool {self.pool!r}: a request for {n} sequences can never fit"
+                f" (largest worker capacity is"
+                f" {max(w.capacity for w in self._workers.values())})"
+            )
+
+    def _lease_timeout(
+        self, n: int, timeout_s: float, min_version: int, background: bool
+    ) -> PoolUnavailable:
+        behind = sum(w.version < min_version for w in self._workers.values())
+        what = "no live workers" if not self._workers else "all workers busy"
+        if behind:
+            what = f"{behind} worker(s) behind version {min_version}"
+        if background and self._foreground_waiting:
+            what += "; a background lease waits while training leases wait"
+        return PoolUnavailable(
+            f"pool {self.pool!r}: waited {timeout_s:.0f}s to lease {n} sequences"
+            f" ({what}; dropped: {self.dropped or 'none'})"
+        )
 
     async def release(self, lease_id: str) -> None:
         """End a lease. Idempotent; a lease released before it was granted is never granted."""

@@ -34,13 +34,30 @@ class VerifierWorker:
             weights=dict(cfg.weights),
         )
         self._sandbox = SandboxPool(scorer, cfg.max_concurrency, cfg.timeout_s, memory_bytes)
+        self._cfg, self._memory_bytes = cfg, memory_bytes
+        self._others: dict[tuple[str, ...], SandboxPool] = {}  # eval.rewards, made on first use
         self._stopping = False
         self.spec = reward_spec(cfg)
 
-    async def score(self, items: list[RewardInput]) -> list[RewardOutput]:
-        """One combined output per item, in order."""
+    async def score(
+        self, items: list[RewardInput], rewards: list[str] | None = None
+    ) -> list[RewardOutput]:
+        """One combined output per item, in order: by the configured rewards, or by
+        `rewards` summed (an evaluation's own, `eval.rewards`) in sandboxes of their own."""
         fault_point("verifier.score")
-        return await self._sandbox.score_many(items)
+        return await self._sandbox_for(rewards).score_many(items)
+
+    def _sandbox_for(self, rewards: list[str] | None) -> SandboxPool:
+        if rewards is None or list(rewards) == list(self._cfg.rewards):
+            return self._sandbox
+        key = tuple(rewards)
+        if key not in self._others:
+            scorer = CombinedReward(rewards={name: get_reward(name) for name in key})
+            c = self._cfg
+            self._others[key] = SandboxPool(
+                scorer, c.max_concurrency, c.timeout_s, self._memory_bytes
+            )
+        return self._others[key]
 
     def stats(self) -> dict[str, int]:
         """Counters since start (see `SandboxPool.stats`)."""
@@ -48,7 +65,8 @@ class VerifierWorker:
 
     def close(self) -> None:
         """Kill the scoring subprocesses."""
-        self._sandbox.close()
+        for sandbox in (self._sandbox, *self._others.values()):
+            sandbox.close()
 
     def ping(self) -> dict[str, Any]:
         return {"stopping": self._stopping, "reward_spec": self.spec, **self.stats()}

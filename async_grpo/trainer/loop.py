@@ -15,6 +15,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask, summ
 from async_grpo.core.packing import pack
 from async_grpo.errors import UserError
 from async_grpo.faults import fault_point
+from async_grpo.hooks import HookContext, Hooks
 
 
 def process_group_backend(device_type: str) -> str:
@@ -63,6 +65,9 @@ class Trainer:
         self.resumed_hf: str | None = None  # the checkpoint this run resumed from
         self.writer: Any = None
         self.bar: Any = None
+        self.hooks = Hooks([])  # rank 0's (build_trainer): eval, sample log, the user's
+        self.log_dir: Any = None  # OUTPUT_DIR/logs in a quiet run
+        self.final_push = False  # push the final weights too (a hook evaluates them)
         self.t_start = time.perf_counter()
 
     def resume(self, path: Any) -> None:
@@ -78,13 +83,20 @@ class Trainer:
             self.curriculum = info.get("curriculum")
 
     def run(self) -> None:
+        from async_grpo.trainer.push import rank0_decides
+
         self.t_start = time.perf_counter()
+        self.final_push = rank0_decides(self.hooks.wants_final_push)
         if self.rank == 0:  # a late joiner must not load another run's checkpoint
             self.pusher.announce_checkpoint(self.start, self.resumed_hf)
+            ctx = HookContext(self.cfg, Path(self.cfg.output_dir), self.model_dir, self.writer.log)
+            ctx.hooks, ctx.extra["log_dir"] = self.hooks, self.log_dir
+            self.hooks.call("on_start", ctx)
         self.pusher.push(self.start)  # the workers serve exactly the weights step `start` trains
         if self.rank == 0:
             from tqdm import tqdm
 
+            self.hooks.call("after_push", self.start)
             self._write_params()
             total = self.cfg.trainer.max_steps
             self.bar = tqdm(total=total, initial=self.start, desc="steps", dynamic_ncols=True)
@@ -92,6 +104,8 @@ class Trainer:
             self.batcher.set_version(self.start)
         for step in range(self.start, self.cfg.trainer.max_steps):
             self.step(step)
+        if self.rank == 0:
+            self.hooks.call("on_end")
         self.pusher.close()  # the shared-memory slots, the broadcast group
         if self.rank == 0:
             self.batcher.stop()
@@ -205,6 +219,8 @@ class Trainer:
         from async_grpo.trainer.model import full_state_dict, scale_grads
 
         t, t0 = self.cfg.trainer, time.perf_counter()
+        if self.rank == 0:
+            self.hooks.call("before_step", step)
         eob, acc = self._accumulate(step)
         fault_point("trainer.step")  # the fault suite's trainer crash: after fwd/bwd
         if eob.step != step or acc["passes"] != eob.num_minibatches:
@@ -255,6 +271,7 @@ class Trainer:
         done = step + 1
         save = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
         push = done % t.push_every == 0 and done < t.max_steps
+        push = push or (done == t.max_steps and self.final_push)
         state = full_state_dict(self.policy) if save else {}
         pending = None
         if (save or push) and self.rank == 0 and self.cfg.batcher.max_off_policy_steps:
@@ -263,9 +280,14 @@ class Trainer:
             timings["time/wait_generated"] = time.perf_counter() - tg
             pending = self.batcher.pending(done) if save else None
         if push:  # a collective: every rank gathers, rank 0 sends
+            if self.rank == 0:
+                th = time.perf_counter()
+                self.hooks.call("before_push", done)  # an evaluation of the old version ends
+                timings["time/hooks_before_push"] = time.perf_counter() - th
             timings |= self.pusher.push(done)
             if self.rank == 0:
                 self.batcher.set_version(done)
+                self.hooks.call("after_push", done)
         if save:
             ts = time.perf_counter()
             counters: dict[str, Any] = {"samples_seen": self.samples_seen}
@@ -283,9 +305,9 @@ class Trainer:
                 counters,
                 pending,
             )
-            if self.rank == 0 and self.pusher is not None:  # late joiners start from it
-                hf_dir = checkpoint.checkpoint_dir(self.cfg.output_dir, done) / "hf"
-                self.pusher.announce_checkpoint(done, str(hf_dir))
+            if self.rank == 0:
+                path = checkpoint.checkpoint_dir(self.cfg.output_dir, done)
+                self.hooks.call("after_checkpoint", done, path)
             timings["time/checkpoint"] = time.perf_counter() - ts
         elapsed = time.perf_counter() - t0
         summary = summarize_metrics(
@@ -312,6 +334,8 @@ class Trainer:
         }
         if self.writer is not None:
             self.writer.log(done, record)
+        if self.rank == 0:
+            self.hooks.call("after_step", done, record, eob.samples)
         if self.bar is not None:
             self.bar.set_postfix(reward=f"{eob.stats.get('reward/mean', 0.0):.3f}")
             self.bar.update(1)
@@ -426,12 +450,30 @@ def build_trainer(
 
     trainer.pusher = WeightPusher(policy, rank, t.device, t.weight_transport)
     if rank == 0:
+        trainer.log_dir = None if verbose else log_dir(cfg.output_dir)
+        trainer.hooks = Hooks(rank0_hooks(cfg, trainer))
         from async_grpo.metrics import MetricsWriter
 
         trainer.writer = MetricsWriter(
-            cfg.output_dir, tensorboard=cfg.tensorboard, after_step=trainer.start
+            cfg.output_dir, trackers=cfg.trackers, after_step=trainer.start
         )
     return trainer
+
+
+def rank0_hooks(cfg: RunConfig, trainer: Trainer) -> list[Any]:
+    """The hooks of rank 0, in order: the checkpoint announcement, the sample log, the
+    held-out evaluation, then the user's (`cfg.hooks`)."""
+    from async_grpo.hooks import load_hooks
+    from async_grpo.trainer.run_hooks import AnnounceCheckpoint, SampleLog
+
+    hooks: list[Any] = [AnnounceCheckpoint(trainer.pusher)]
+    if cfg.sample_every:
+        hooks.append(SampleLog(trainer.start))
+    if cfg.eval.data:
+        from async_grpo.evaluation.hook import EvalHook
+
+        hooks.append(EvalHook(cfg, trainer.model_dir, trainer.start))
+    return hooks + load_hooks(cfg.hooks)
 
 
 def train(

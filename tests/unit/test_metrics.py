@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from async_grpo.config import TrackersConfig
 from async_grpo.errors import UserError
 from async_grpo.metrics import METRICS_FILE, PARAMS_FILE, MetricsWriter, read_metrics
 
@@ -65,7 +66,7 @@ def test_tensorboard_scalars_match_the_jsonl(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rows = [{"loss": 1.5, "reward/mean": 0.25}, {"loss": 0.5, "reward/mean": 0.75}]
-    with MetricsWriter(tmp_path, tensorboard=True) as w:
+    with MetricsWriter(tmp_path, TrackersConfig(tensorboard=True)) as w:
         for step, row in enumerate(rows, 1):
             w.log(step, row)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -78,7 +79,7 @@ def test_tensorboard_scalars_match_the_jsonl(tmp_path):
 
 def test_tensorboard_without_the_package_is_a_warning(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
-    with MetricsWriter(tmp_path, tensorboard=True) as w:
+    with MetricsWriter(tmp_path, TrackersConfig(tensorboard=True)) as w:
         w.log(1, {"loss": 1.0})
     assert "tensorboard" in capsys.readouterr().err
     assert read_metrics(tmp_path / METRICS_FILE) == [{"step": 1, "loss": 1.0}]
@@ -126,3 +127,19 @@ def test_a_resumed_writer_drops_the_steps_after_its_checkpoint(tmp_path):
         w.log(4, {"loss": 40.0})
     rows = read_metrics(tmp_path / METRICS_FILE)
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_a_fresh_run_in_a_used_folder_starts_a_new_file(tmp_path):
+    """A run from step 0 keeps nothing of an earlier run there, its step-0 evaluation row
+    included; a run resumed from step 2 keeps that row and the steps up to 2."""
+    with MetricsWriter(tmp_path) as w:
+        w.log(0, {"eval/pass@1": 0.1})
+        for step in (1, 2, 3):
+            w.log(step, {"loss": float(step)})
+    with MetricsWriter(tmp_path, after_step=2) as w:
+        pass
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [0, 1, 2]
+    with MetricsWriter(tmp_path, after_step=0) as w:
+        w.log(0, {"eval/pass@1": 0.2})
+    rows = read_metrics(tmp_path / METRICS_FILE)
+    assert rows == [{"step": 0, "eval/pass@1": 0.2}]

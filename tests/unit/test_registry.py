@@ -226,3 +226,32 @@ def test_a_worker_behind_the_needed_version_is_not_leased_until_it_catches_up():
         assert (await waiter)[1] == "new"
 
     asyncio.run(run())
+
+
+def test_a_background_lease_yields_to_every_waiting_training_lease():
+    """Evaluation leases in the background: while a training lease waits for room, a
+    background one is not granted even where it would fit; it goes once none waits."""
+
+    async def run():
+        reg = LeastLoadedRegistry("generation")
+        await reg.register("a", "h", capacity=4, version=0)
+        full, _, _ = await reg.lease(4, timeout_s=1)
+        evaluation = asyncio.ensure_future(reg.lease(1, timeout_s=5, background=True))
+        await asyncio.sleep(0.05)
+        training = asyncio.ensure_future(reg.lease(3, timeout_s=5))  # asks after evaluation
+        await asyncio.sleep(0.05)
+        await reg.release(full)  # room for both, but training goes first
+        trained, _, _ = await training
+        assert _loads(await reg.status()) == {"a": 3}
+        granted, _, _ = await asyncio.wait_for(evaluation, 2)  # none waits now: it fits
+        assert _loads(await reg.status()) == {"a": 4}
+        # with a training lease waiting for room, background is refused even with room left
+        await reg.release(granted)
+        blocked = asyncio.ensure_future(reg.lease(4, timeout_s=5))  # needs all 4: waits
+        await asyncio.sleep(0.05)
+        with pytest.raises(PoolUnavailable, match="background lease waits"):
+            await reg.lease(1, timeout_s=0.2, background=True)
+        await reg.release(trained)
+        await asyncio.wait_for(blocked, 2)
+
+    asyncio.run(run())

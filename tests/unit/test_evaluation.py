@@ -1,0 +1,208 @@
+"""Held-out evaluation: pass@k by hand, the summary, the Evaluator over scripted pools
+(the pools are tested for real in tests/integration/test_evaluation.py), the held-out rule."""
+
+import asyncio
+import json
+
+import pytest
+
+from async_grpo.config import ConfigError, EvalConfig, load_config
+from async_grpo.data import Prompt
+from async_grpo.evaluation import EvalSample, pass_at_k, summarize
+from async_grpo.evaluation.runner import Evaluator
+from async_grpo.inference.types import Completion
+from async_grpo.rewards import RewardOutput
+
+
+def test_pass_at_k_by_hand():
+    # n=4, c=1: pass@1 = 1/4; pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 1/2; pass@4 = 1
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25, abs=1e-12)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5, abs=1e-12)
+    assert pass_at_k(4, 1, 4) == 1.0
+    # n=5, c=2, k=3: 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9, abs=1e-12)
+    assert pass_at_k(8, 0, 8) == 0.0
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def _s(q, reward, passed, length=3, truncated=False, version=2, **components):
+    return EvalSample(q, "p", "c", "a", reward, passed, "", length, truncated, version, components)
+
+
+def test_summary_averages_pass_at_k_over_complete_questions():
+    samples = [
+        _s(0, 1.0, True, 4, x=1.0),
+        _s(0, 0.0, False, 2, x=0.0),  # question 0: c=1 of n=2
+        _s(1, 1.0, True, 6, True, x=1.0),
+        _s(1, 1.0, True, 8, x=1.0),  # question 1: c=2
+        _s(2, 1.0, True),  # question 2: one of its two samples missing -> left out
+    ]
+    m = summarize(samples, 2, [1, 2])
+    assert m["eval/questions"] == 2 and m["eval/samples"] == 4
+    assert m["eval/pass@1"] == pytest.approx((0.5 + 1.0) / 2, abs=1e-12)
+    assert m["eval/pass@2"] == pytest.approx(1.0, abs=1e-12)
+    assert m["eval/reward/mean"] == pytest.approx(0.75, abs=1e-12)
+    assert m["eval/output_length/mean"] == pytest.approx(5.0, abs=1e-12)
+    assert m["eval/truncated_fraction"] == pytest.approx(0.25, abs=1e-12)
+    assert m["eval/reward/x"] == pytest.approx(0.75, abs=1e-12)
+
+
+class _Generation:
+    """Scripted generation pool: completion i of question with token id t is `t+i`."""
+
+    def __init__(self, version):
+        self.version, self.calls, self.in_flight, self.peak = version, [], 0, 0
+
+    async def call(self, n, method, ids, n2, sampling, min_version=-1, background=False):
+        assert method == "generate" and n == n2 and background
+        self.calls.append((ids, sampling, min_version))
+        self.in_flight += n
+        self.peak = max(self.peak, self.in_flight)
+        await asyncio.sleep(0.01)
+        self.in_flight -= n
+        if ids == [99]:
+            raise TimeoutError("scripted: the worker never answered")
+        return [
+            Completion([ids[0], i], [-0.1, -0.2], str(ids[0] + i), "stop", self.version)
+            for i in range(n)
+        ]
+
+
+class _Verifier:
+    async def call(self, n, method, items, rewards=None):
+        assert method == "score" and rewards == ["exact"]
+        return [RewardOutput(float(x.completion == x.answer), {"hit": 1.0}, "ok") for x in items]
+
+
+def _prompts(answers):
+    return [Prompt(f"q{i}", a, input_token_ids=[10 * (i + 1)]) for i, a in enumerate(answers)]
+
+
+def test_evaluator_scores_every_question_at_the_version_and_bounds_concurrency():
+    cfg = EvalConfig(
+        data="x",
+        samples_per_question=2,
+        pass_k=[1, 2],
+        temperature=1.0,
+        rewards=["exact"],
+        max_concurrent_seqs=4,
+    )
+    gen = _Generation(version=3)
+    ev = Evaluator(
+        cfg, 16, _prompts(["11", "20", "0"]), {"generation": gen, "verifier": _Verifier()}
+    )
+    r = asyncio.run(ev.evaluate(3))
+    # question 0 (token 10): "10", "11" -> c=1; question 1: "20", "21" -> c=1; question 2: none
+    assert r.error is None and r.metrics["eval/questions"] == 3
+    assert r.metrics["eval/pass@1"] == pytest.approx((0.5 + 0.5 + 0.0) / 3, abs=1e-12)
+    assert r.metrics["eval/pass@2"] == pytest.approx(2 / 3, abs=1e-12)
+    assert r.metrics["eval/policy_version"] == 3 and r.metrics["eval/other_version_samples"] == 0
+    assert all(mv == 3 for *_, mv in gen.calls)  # leased from workers serving version 3
+    assert gen.peak <= 4  # max_concurrent_seqs
+    seeds = {s.seed for _, s, _ in gen.calls}
+    assert len(seeds) == 3  # one per question, the same at every version:
+    again = asyncio.run(
+        Evaluator(
+            cfg,
+            16,
+            _prompts(["11", "20", "0"]),
+            {"generation": _Generation(4), "verifier": _Verifier()},
+        ).evaluate(4)
+    )
+    assert [s.completion for s in again.samples] == [s.completion for s in r.samples]
+
+
+def test_a_question_that_fails_is_counted_and_named_not_lost():
+    cfg = EvalConfig(data="x", rewards=["exact"])
+    prompts = _prompts(["10", "x"]) + [Prompt("bad", "1", input_token_ids=[99])]
+    r = asyncio.run(
+        Evaluator(
+            cfg, 8, prompts, {"generation": _Generation(0), "verifier": _Verifier()}
+        ).evaluate(0)
+    )
+    assert r.metrics["eval/questions"] == 2 and r.metrics["eval/missing_questions"] == 1
+    assert "1 of 3 questions failed" in r.error and "never answered" in r.error
+    assert r.metrics["eval/pass@1"] == pytest.approx(0.5, abs=1e-12)
+
+
+def test_an_evaluation_past_its_timeout_reports_what_finished():
+    class Slow(_Generation):
+        async def call(self, n, method, ids, *a, **k):
+            if ids == [20]:
+                await asyncio.sleep(30)
+            return await super().call(n, method, ids, *a, **k)
+
+    cfg = EvalConfig(data="x", rewards=["exact"], timeout_s=0.5)
+    r = asyncio.run(
+        Evaluator(
+            cfg, 8, _prompts(["10", "20"]), {"generation": Slow(0), "verifier": _Verifier()}
+        ).evaluate(0)
+    )
+    assert "not finished within eval.timeout_s=0.5s" in r.error
+    assert r.metrics["eval/questions"] == 1 and r.metrics["eval/missing_questions"] == 1
+
+
+def test_background_start_then_collect_in_version_order():
+    async def run():
+        cfg = EvalConfig(data="x", rewards=["exact"])
+        ev = Evaluator(
+            cfg, 8, _prompts(["10"]), {"generation": _Generation(0), "verifier": _Verifier()}
+        )
+        await ev.start(5)
+        await ev.start(0)
+        assert await ev.running() == [0, 5]
+        done = await ev.wait(10)
+        assert [r.version for r in done] == [0, 5] and await ev.finished() == []
+
+    asyncio.run(run())
+
+
+def _write(path, inputs):
+    path.write_text("".join(json.dumps({"input": x, "answer": "1"}) + "\n" for x in inputs))
+
+
+def test_eval_data_that_overlaps_training_is_refused(tmp_path, tiny_model_dir):
+    from async_grpo.evaluation.hook import held_out_prompts
+
+    _write(tmp_path / "train.jsonl", ["what is 1+1?", "what is 2+2?"])
+    _write(tmp_path / "eval.jsonl", ["what is 3+3?", "what is 2+2?"])
+    cfg = load_config(
+        None, [f"data={tmp_path / 'train.jsonl'}", f"eval.data={tmp_path / 'eval.jsonl'}"]
+    )
+    with pytest.raises(ConfigError, match="1 of its 2 prompts are also training prompts.*line 2"):
+        held_out_prompts(cfg, str(tiny_model_dir))
+    _write(tmp_path / "eval.jsonl", ["what is 3+3?", "what is 4+4?", "what is 5+5?"])
+    cfg.eval.max_questions = 2
+    assert [p.input for p in held_out_prompts(cfg, str(tiny_model_dir))] == [
+        "what is 3+3?",
+        "what is 4+4?",
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.every=3", "eval.every: 3 is not a multiple of trainer.push_every=2"),
+        ("eval.pass_k=[4]", "eval.pass_k: each k must be in 1..eval.samples_per_question=1"),
+        ("eval.samples_per_question=4", "greedy samples are all the same"),
+        ("eval.max_new_tokens=5000", "eval.max_new_tokens: must be in 1..1023"),
+        ("eval.rewards=[]", "eval.rewards: name at least one reward"),
+    ],
+)
+def test_eval_settings_that_cannot_run_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(
+            None,
+            [
+                "eval.data=x.jsonl",
+                "trainer.push_every=2",
+                "batcher.max_off_policy_steps=1",
+                override,
+            ],
+        )
+
+
+def test_the_old_tensorboard_key_says_where_it_went():
+    with pytest.raises(ConfigError, match="tensorboard: moved; use trackers.tensorboard"):
+        load_config(None, ["tensorboard=true"])
