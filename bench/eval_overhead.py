@@ -49,7 +49,7 @@ def one_run(config: str, steps: int, out: Path, with_eval: bool) -> dict:
         "evals": [
             {
                 "version": r["step"],
-                "pass@1": r.get("eval/pass@1"),
+                "pass@1": r.get("eval/pass_at_1"),
                 "seconds": round(r["eval/seconds"], 1),
                 "trainer_wait_s": round(r["eval/trainer_wait_s"], 2),
             }

@@ -65,7 +65,9 @@ def summarize(samples: list[EvalSample], n: int, pass_k: list[int]) -> dict[str,
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     out["eval/reward/mean"] = mean([s.reward for s in done])
     for k in pass_k:
-        out[f"eval/pass@{k}"] = mean([pass_at_k(n, sum(s.passed for s in g), k) for g in complete])
+        out[f"eval/pass_at_{k}"] = mean(
+            [pass_at_k(n, sum(s.passed for s in g), k) for g in complete]
+        )
     out["eval/output_length/mean"] = mean([float(s.length) for s in done])
     out["eval/truncated_fraction"] = mean([float(s.truncated) for s in done])
     out["eval/score_errors"] = float(sum(s.reason.startswith(("error", "timeout")) for s in done))

@@ -18,7 +18,7 @@ _REFUSED = re.compile(r"[^/\w.\- :]")  # MLflow names: alphanumerics, `_ - . / :
 def mlflow_key(name: str) -> str:
     """The MLflow name of a JSONL name: MLflow refuses `@`, so `@` becomes `_at_`
     (`eval/pass@1` -> `eval/pass_at_1`), and any other character it refuses becomes `_`.
-    Every name without such characters (all of docs/metrics.md but pass@k) is unchanged."""
+    Every name of docs/metrics.md is unchanged (pass@k is `eval/pass_at_k` there too)."""
     return _REFUSED.sub("_", name.replace("@", "_at_"))
 
 

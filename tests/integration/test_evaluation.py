@@ -70,14 +70,22 @@ def test_evaluations_of_the_pushed_versions_are_metrics_rows(run_with_eval):
         assert r["eval/policy_version"] == r["step"] and r["eval/other_version_samples"] == 0
         assert r["eval/questions"] == 6 and r["eval/samples"] == 12
         assert r["eval/missing_questions"] == 0
-        assert 0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1
+        assert 0 <= r["eval/pass_at_1"] <= r["eval/pass_at_2"] <= 1
         assert r["eval/reward/rewards_for_tests:vowel_share/vowels"] >= 0
         assert r["eval/trainer_wait_s"] >= 0 and not any(k in r for k in ("loss", "reward/mean"))
     assert (out / "logs" / "evaluator.log").is_file()
     logged = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert {r["step"] for r in logged} == {2, 4} and all("completion" in r for r in logged)
     png = out / "eval.png"
-    plot = [*CLI, "plot", str(out / "training_metrics.jsonl"), "-v", "eval/pass@1", "-o", str(png)]
+    plot = [
+        *CLI,
+        "plot",
+        str(out / "training_metrics.jsonl"),
+        "-v",
+        "eval/pass_at_1",
+        "-o",
+        str(png),
+    ]
     subprocess.run(plot, check=True, capture_output=True, timeout=120)
     assert png.stat().st_size > 0
 
@@ -136,11 +144,11 @@ def test_eval_command_on_a_checkpoint_folder(run_with_eval, tmp_path):
     assert summary["model"].endswith("step_4/hf") and summary["error"] is None
     assert len(samples) == 10 and {s["question"] for s in samples} == set(range(5))
     by_q = {q: sum(s["passed"] for s in samples if s["question"] == q) for q in range(5)}
-    assert summary["metrics"]["eval/pass@1"] == pytest.approx(sum(by_q.values()) / 10, abs=1e-9)
-    assert summary["metrics"]["eval/pass@2"] == pytest.approx(
+    assert summary["metrics"]["eval/pass_at_1"] == pytest.approx(sum(by_q.values()) / 10, abs=1e-9)
+    assert summary["metrics"]["eval/pass_at_2"] == pytest.approx(
         sum(c > 0 for c in by_q.values()) / 5, abs=1e-9
     )
-    assert "eval/pass@2" in stdout
+    assert "eval/pass_at_2" in stdout
 
 
 def test_eval_command_on_smollm2(tmp_path):
@@ -158,10 +166,10 @@ def test_eval_command_on_smollm2(tmp_path):
     )
     m = summary["metrics"]
     assert m["eval/questions"] == 8 and len(samples) == 8 and m["eval/samples"] == 8
-    assert m["eval/pass@1"] == sum(s["passed"] for s in samples) / 8
+    assert m["eval/pass_at_1"] == sum(s["passed"] for s in samples) / 8
     assert all(s["reason"] for s in samples if not s["passed"])  # why a miss missed
     assert all(s["length"] > 0 for s in samples)
-    assert "eval/pass@1" in stdout and summary["eval"]["temperature"] == 0.0
+    assert "eval/pass_at_1" in stdout and summary["eval"]["temperature"] == 0.0
 
 
 def test_eval_command_refuses_a_missing_model(tmp_path):

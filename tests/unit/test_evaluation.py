@@ -40,8 +40,8 @@ def test_summary_averages_pass_at_k_over_complete_questions():
     ]
     m = summarize(samples, 2, [1, 2])
     assert m["eval/questions"] == 2 and m["eval/samples"] == 4
-    assert m["eval/pass@1"] == pytest.approx((0.5 + 1.0) / 2, abs=1e-12)
-    assert m["eval/pass@2"] == pytest.approx(1.0, abs=1e-12)
+    assert m["eval/pass_at_1"] == pytest.approx((0.5 + 1.0) / 2, abs=1e-12)
+    assert m["eval/pass_at_2"] == pytest.approx(1.0, abs=1e-12)
     assert m["eval/reward/mean"] == pytest.approx(0.75, abs=1e-12)
     assert m["eval/output_length/mean"] == pytest.approx(5.0, abs=1e-12)
     assert m["eval/truncated_fraction"] == pytest.approx(0.25, abs=1e-12)
@@ -95,8 +95,8 @@ def test_evaluator_scores_every_question_at_the_version_and_bounds_concurrency()
     r = asyncio.run(ev.evaluate(3))
     # question 0 (token 10): "10", "11" -> c=1; question 1: "20", "21" -> c=1; question 2: none
     assert r.error is None and r.metrics["eval/questions"] == 3
-    assert r.metrics["eval/pass@1"] == pytest.approx((0.5 + 0.5 + 0.0) / 3, abs=1e-12)
-    assert r.metrics["eval/pass@2"] == pytest.approx(2 / 3, abs=1e-12)
+    assert r.metrics["eval/pass_at_1"] == pytest.approx((0.5 + 0.5 + 0.0) / 3, abs=1e-12)
+    assert r.metrics["eval/pass_at_2"] == pytest.approx(2 / 3, abs=1e-12)
     assert r.metrics["eval/policy_version"] == 3 and r.metrics["eval/other_version_samples"] == 0
     assert all(mv == 3 for *_, mv in gen.calls)  # leased from workers serving version 3
     assert gen.peak <= 4  # max_concurrent_seqs
@@ -123,7 +123,7 @@ def test_a_question_that_fails_is_counted_and_named_not_lost():
     )
     assert r.metrics["eval/questions"] == 2 and r.metrics["eval/missing_questions"] == 1
     assert "1 of 3 questions failed" in r.error and "never answered" in r.error
-    assert r.metrics["eval/pass@1"] == pytest.approx(0.5, abs=1e-12)
+    assert r.metrics["eval/pass_at_1"] == pytest.approx(0.5, abs=1e-12)
 
 
 def test_an_evaluation_past_its_timeout_reports_what_finished():

@@ -133,13 +133,13 @@ def test_a_fresh_run_in_a_used_folder_starts_a_new_file(tmp_path):
     """A run from step 0 keeps nothing of an earlier run there, its step-0 evaluation row
     included; a run resumed from step 2 keeps that row and the steps up to 2."""
     with MetricsWriter(tmp_path) as w:
-        w.log(0, {"eval/pass@1": 0.1})
+        w.log(0, {"eval/pass_at_1": 0.1})
         for step in (1, 2, 3):
             w.log(step, {"loss": float(step)})
     with MetricsWriter(tmp_path, after_step=2) as w:
         pass
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [0, 1, 2]
     with MetricsWriter(tmp_path, after_step=0) as w:
-        w.log(0, {"eval/pass@1": 0.2})
+        w.log(0, {"eval/pass_at_1": 0.2})
     rows = read_metrics(tmp_path / METRICS_FILE)
-    assert rows == [{"step": 0, "eval/pass@1": 0.2}]
+    assert rows == [{"step": 0, "eval/pass_at_1": 0.2}]

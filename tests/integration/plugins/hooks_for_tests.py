@@ -31,7 +31,7 @@ class EventLog(TrainingHook):
         self._write(
             event="after_eval",
             version=version,
-            pass1=result.metrics["eval/pass@1"],
+            pass1=result.metrics["eval/pass_at_1"],
             samples=samples,
         )
 
