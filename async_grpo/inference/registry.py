@@ -172,7 +172,8 @@ class LeastLoadedRegistry:
         a push brings it up. The lease expires after `hold_s` unless released first. A
         caller may choose `lease_id` so it can release a lease whose grant it never saw
         (it was cancelled while waiting). A `background` lease (evaluation) is granted only
-        while no other lease waits for room: training requests always go first."""
+        while no other lease waits for room on a worker that serves its version: training
+        requests always go first, and one that waits for a push holds nothing back."""
         lease_id = lease_id or uuid.uuid4().hex
         deadline = time.monotonic() + timeout_s
         counted = False  # this foreground lease is in _foreground_waiting
@@ -197,9 +198,12 @@ class LeastLoadedRegistry:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise self._lease_timeout(n, timeout_s, min_version, background)
-                    if not background and not counted:
-                        counted = True
-                        self._foreground_waiting += 1
+                    # waiting for room counts; waiting for a push (no worker serves
+                    # min_version yet) does not: that push may wait for an evaluation
+                    for_room = any(w.version >= min_version for w in self._workers.values())
+                    if not background and for_room != counted:
+                        counted = for_room
+                        self._foreground_waiting += 1 if for_room else -1
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
         finally:

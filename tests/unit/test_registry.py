@@ -255,3 +255,21 @@ def test_a_background_lease_yields_to_every_waiting_training_lease():
         await asyncio.wait_for(blocked, 2)
 
     asyncio.run(run())
+
+
+def test_a_training_lease_waiting_for_a_push_does_not_hold_back_a_background_one():
+    """A lease for a version no worker serves yet waits for a push; the push may itself
+    wait for an evaluation, so an evaluation lease must still be granted meanwhile."""
+
+    async def run():
+        reg = LeastLoadedRegistry("generation")
+        await reg.register("a", "h", capacity=4, version=0)
+        next_version = asyncio.ensure_future(reg.lease(2, timeout_s=5, min_version=1))
+        await asyncio.sleep(0.05)
+        granted, _, _ = await asyncio.wait_for(reg.lease(1, timeout_s=1, background=True), 2)
+        assert not next_version.done()
+        await reg.release(granted)
+        await reg.heartbeat("a", version=1)  # the push: version 1 served
+        await asyncio.wait_for(next_version, 2)
+
+    asyncio.run(run())
