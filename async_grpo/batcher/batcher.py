@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from async_grpo.batcher import stats as report
 from async_grpo.batcher.channel import Channel, ChannelClosed
 from async_grpo.batcher.rounds import fill_round, split_group
 from async_grpo.batcher.single_turn import single_turn_group
-from async_grpo.batcher.stats import POOL_STATS_TIMEOUT_S, batch_stats, ledger, pool_counters
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample
 from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
@@ -400,8 +400,9 @@ class ExperienceBatcher:
             samples = [s for grp in groups for s in grp]
             self.books[step]["samples/trained"] += len(samples) - len(skipped)
             self.books[step]["samples/skipped"] += len(skipped)
-            stats = batch_stats(step, groups, time.monotonic() - t0) | self._drain_counters(step)
-            stats |= await pool_counters(self._clients)
+            stats = report.batch_stats(step, groups, time.monotonic() - t0)
+            stats |= self._drain_counters(step)
+            stats |= await report.pool_counters(self._clients)
             stats["pool/generation/catch_up_requests"] = float(self.catch_ups)
             tokens, count = self._loss_counts(samples)
             skip_tokens, skip_count = self._loss_counts(skipped)
@@ -412,7 +413,7 @@ class ExperienceBatcher:
                     passed = sum(s.reward >= passing for s in grp)
                     self.curriculum.record(step, grp[0].prompt_index, passed, len(grp))
                 stats |= self.curriculum.stats()
-            logged = self._samples_to_log(step, groups)
+            logged = report.samples_to_log(step, groups, self.cfg)
             async with self._emitting:
                 for r in range(self.num_ranks):
                     eob = EndOfBatch(step, tokens, count, passes, stats, skip_tokens, skip_count)
@@ -430,7 +431,7 @@ class ExperienceBatcher:
             if self.version < 0:
                 continue
             try:
-                async with asyncio.timeout(POOL_STATS_TIMEOUT_S):
+                async with asyncio.timeout(report.POOL_STATS_TIMEOUT_S):
                     workers = await registry.status.remote()
             except TimeoutError:
                 print("batcher: the generation registry did not answer status", flush=True)
@@ -453,19 +454,6 @@ class ExperienceBatcher:
                 async with self._emitting:
                     for r in range(self.num_ranks):
                         await self.channel.put(r, PushNow(self.version), 1, timeout_s=3600)
-
-    def _samples_to_log(self, step: int, groups: list[list[ScoredSample]]) -> list[dict]:
-        """Every `sample_every` steps, `samples_logged` samples spread over the step's
-        groups (sample i from group i mod G, then the next sample of each): for reading."""
-        every, k = self.cfg.sample_every, self.cfg.samples_logged
-        if not every or (step + 1) % every or not groups:
-            return []
-        picked = []
-        for i in range(min(k, sum(len(g) for g in groups))):
-            group = groups[i % len(groups)]
-            if i // len(groups) < len(group):
-                picked.append(group[i // len(groups)].to_log(step))
-        return picked
 
     def _tokens(self, samples: list[ScoredSample]) -> int:
         """Row tokens of `samples` once packed (prompts shared within a group when on)."""
@@ -493,7 +481,7 @@ class ExperienceBatcher:
     def _drain_counters(self, step: int) -> dict[str, float]:
         """The books and drops of `step` (every group of the step has reported by now) and
         the run's packing efficiency so far."""
-        out = ledger(self.books.pop(step, {}))
+        out = report.ledger(self.books.pop(step, {}))
         failed, scored, reasons = self.score_failures.pop(step, [0, 0, []])
         out["verifier/step_failures"], out["verifier/step_scored"] = float(failed), float(scored)
         self.failure_reasons[step] = reasons

@@ -117,3 +117,17 @@ async def pool_counters(clients: dict[str, Any]) -> dict[str, float]:
     for key in ("verifier/timeouts", "verifier/errors", "verifier/scored"):
         out[key] = float(sum(w.get(key, 0) for w in per_worker))
     return out
+
+
+def samples_to_log(step: int, groups: list[list[ScoredSample]], cfg: Any) -> list[dict]:
+    """Every `cfg.sample_every` steps, `cfg.samples_logged` samples spread over the step's
+    groups (sample i from group i mod G, then the next sample of each), for samples.jsonl."""
+    every, k = cfg.sample_every, cfg.samples_logged
+    if not every or (step + 1) % every or not groups:
+        return []
+    picked = []
+    for i in range(min(k, sum(len(g) for g in groups))):
+        group = groups[i % len(groups)]
+        if i // len(groups) < len(group):
+            picked.append(group[i // len(groups)].to_log(step))
+    return picked

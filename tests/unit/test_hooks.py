@@ -140,18 +140,16 @@ def test_the_sample_log_is_decoded_bounded_and_trimmed_on_resume(tmp_path, tiny_
 
 
 def test_the_batcher_picks_logged_samples_across_groups():
-    from async_grpo.batcher.batcher import ExperienceBatcher
+    from async_grpo.batcher.stats import samples_to_log
     from async_grpo.batcher.types import ScoredSample
     from async_grpo.config import RunConfig
 
-    cfg = replace(RunConfig(), sample_every=2, samples_logged=3)
-    b = ExperienceBatcher.__new__(ExperienceBatcher)
-    b.cfg = cfg
     groups = [
         [ScoredSample([1], [g, i], [0.0, 0.0], float(i), {}, 0.0, 0, False) for i in range(2)]
         for g in range(2)
     ]
-    assert b._samples_to_log(0, groups) == []  # step 1: not a multiple of 2
-    picked = b._samples_to_log(1, groups)
+    cfg = replace(RunConfig(), sample_every=2, samples_logged=3)
+    assert samples_to_log(0, groups, cfg) == []  # step 1: not a multiple of 2
+    picked = samples_to_log(1, groups, cfg)
     assert [p["completion_ids"] for p in picked] == [[0, 0], [1, 0], [0, 1]]
     assert all(p["step"] == 2 for p in picked)
