@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 PEAK_FLOPS = {"cuda": 989e12}  # no peak is stated for the CPUs here: MFU is null there
 SHAPES = {
@@ -78,7 +80,27 @@ def groups_for_row(row_tokens: int, vocab: int, share: bool, seed: int = 0) -> l
         samples += group
 
 
-def one_figure(args, name: str, folder: str, rows: int, attention: str, share: bool) -> dict:
+def phase_seconds(policy, batch, loss_fn, opt, sync) -> dict[str, float]:
+    """One more step, timed per phase (forward with the loss, backward, optimizer)."""
+    marks = [time.perf_counter()]
+    logp, _ = policy(batch, False)
+    loss, _ = loss_fn(logp, batch, 1, 1, None, 1)
+    sync()
+    marks.append(time.perf_counter())
+    loss.backward()
+    sync()
+    marks.append(time.perf_counter())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync()
+    marks.append(time.perf_counter())
+    names = ("forward_s", "backward_s", "optimizer_s")
+    return {n: round(b - a, 4) for n, a, b in zip(names, marks, marks[1:], strict=False)}
+
+
+def one_figure(
+    args, name: str, folder: str, rows: int, attention: str, share: bool, ac: bool | None
+) -> dict:
     import torch
 
     from async_grpo.config import LossConfig, TrainerConfig
@@ -90,7 +112,11 @@ def one_figure(args, name: str, folder: str, rows: int, attention: str, share: b
     device = torch.device(args.device)
     backend, why = select_attention(attention, args.device, share, True, rows)
     cfg = TrainerConfig(
-        lr=1e-6, compute_dtype="auto", activation_checkpointing=args.ac, attention=attention
+        lr=1e-6,
+        compute_dtype="auto",
+        activation_checkpointing=ac,
+        attention=attention,
+        logprob_chunk_size=args.chunk,
     )
     policy = build_policy(folder, cfg, device, 1, backend)
     opt, _ = build_optimizer(policy, cfg)
@@ -119,7 +145,7 @@ def one_figure(args, name: str, folder: str, rows: int, attention: str, share: b
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / args.steps
     tokens = batch.input_ids.shape[1]
-    return {
+    fig = {
         "model": name,
         "row_tokens": tokens,
         "attention": backend.name,
@@ -128,6 +154,7 @@ def one_figure(args, name: str, folder: str, rows: int, attention: str, share: b
         "samples": len(samples),
         "compute_dtype": policy.precision.dtype,
         "activation_checkpointing": policy.checkpointing,
+        "logprob_chunk_size": args.chunk,
         "tok_per_s": round(tokens / dt, 1),
         "samples_per_s": round(len(samples) / dt, 2),
         "mfu": round(6 * params * tokens / dt / PEAK_FLOPS[device.type], 4)
@@ -138,6 +165,9 @@ def one_figure(args, name: str, folder: str, rows: int, attention: str, share: b
         else None,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu_name(),
     }
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fig["phases"] = phase_seconds(policy, batch, loss_fn, opt, sync)
+    return fig
 
 
 def cpu_name() -> str:
@@ -156,7 +186,8 @@ def main() -> None:
     ap.add_argument("--rows", default="4096,16384,32768,65536")
     ap.add_argument("--attention", default="sdpa,flex,flash")
     ap.add_argument("--share", default="false,true")
-    ap.add_argument("--ac", type=lambda s: None if s == "auto" else s == "true", default=None)
+    ap.add_argument("--ac", default="auto", help="activation checkpointing: auto,true,false")
+    ap.add_argument("--chunk", type=int, default=1024, help="trainer.logprob_chunk_size")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
@@ -177,9 +208,12 @@ def main() -> None:
             folder = model_folder(name, root)
             for rows in map(int, args.rows.split(",")):
                 for attention in args.attention.split(","):
-                    for share in (s == "true" for s in args.share.split(",")):
+                    for share, ac in itertools.product(
+                        [s == "true" for s in args.share.split(",")],
+                        [None if a == "auto" else a == "true" for a in args.ac.split(",")],
+                    ):
                         try:
-                            fig = one_figure(args, name, folder, rows, attention, share)
+                            fig = one_figure(args, name, folder, rows, attention, share, ac)
                         except ValueError as e:  # a backend that cannot run here
                             fig = {"model": name, "row_tokens": rows, "attention": attention,
                                    "shared_prompts": share, "skipped": str(e)}  # fmt: skip
