@@ -49,6 +49,7 @@ class GenerationConfig:
     threads: int = 1  # CPU threads per engine
     seed: int = 0
     weight_transport: Literal["auto", "broadcast"] = "auto"
+    weight_update: Literal["wait", "in_flight"] = "wait"
 
 
 @dataclass

@@ -35,6 +35,10 @@ DESCRIPTIONS: dict[str, str] = {
     "generation.weight_transport": "`broadcast`: this worker takes pushes over the broadcast"
     " group even on the trainer's node (e.g. a container that does not share the trainer's"
     " `/dev/shm`); `auto`: the trainer chooses (see [weight-sync.md](weight-sync.md))",
+    "generation.weight_update": "how a push meets running requests: `wait` lets them finish"
+    " on the old weights first; `in_flight` freezes them, swaps the weights, recomputes"
+    " their KV under the new ones and goes on, each token labelled with the version that"
+    " sampled it (docs/weight-sync.md)",
     "trainer.weight_transport": "how pushed weights reach each generation worker: `auto`"
     " picks shared memory (same node, CPU), CUDA IPC (same GPU) or the broadcast group"
     " (elsewhere), per worker; `broadcast`, `shm`, `cuda_ipc` force one (an error where the"

@@ -58,6 +58,7 @@ async def single_turn_group(
             c.policy_version,
             c.finish_reason == "length",
             reason=s.reason,
+            token_versions=c.token_versions,
         )
         for c, s in zip(completions, scored, strict=True)
     ]

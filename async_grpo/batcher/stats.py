@@ -60,6 +60,8 @@ def batch_stats(step: int, groups: list[list[ScoredSample]], wait_s: float) -> d
         "zero_advantage_fraction": mean([float(len({s.reward for s in g}) == 1) for g in groups]),
         "staleness/mean": mean([step - s.version for s in samples]),
         "staleness/max": float(max(step - s.version for s in samples)),
+        "staleness/token_mean": token_staleness(step, samples),
+        "samples/mixed_versions": mean([float(s.token_versions is not None) for s in samples]),
         "time/batch_assembly": wait_s,
     }
     for key in sorted({k for s in samples for k in s.components}):
@@ -68,6 +70,17 @@ def batch_stats(step: int, groups: list[list[ScoredSample]], wait_s: float) -> d
     if episodes:
         stats |= episode_stats(episodes)
     return stats
+
+
+def token_staleness(step: int, samples: list[ScoredSample]) -> float:
+    """Mean staleness over completion tokens: each token counts the version that sampled
+    it (after an in-flight update a sample's tokens come from several versions)."""
+    total = count = 0
+    for s in samples:
+        versions = s.token_versions or [s.version] * len(s.completion_ids)
+        total += sum(step - v for v in versions)
+        count += len(versions)
+    return total / count if count else 0.0
 
 
 def episode_stats(episodes: list[dict[str, float]]) -> dict[str, float]:

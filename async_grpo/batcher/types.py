@@ -17,6 +17,8 @@ class ScoredSample:
     prompt, the environment's included: `completion_mask` is True at the model's tokens
     (their `logprobs` are the sampler's) and False at the environment's (log-prob 0.0, no
     loss); `episode` holds its per-episode figures (turns, tool calls, errors) for metrics.
+    `token_versions` (None: all `version`) is the version that sampled each completion token
+    when a weight update came while it was generated.
     """
 
     prompt_ids: list[int]
@@ -32,6 +34,7 @@ class ScoredSample:
     episode: dict[str, float] | None = None
     prompt_index: int = -1  # which prompt of the data (the curriculum's records)
     reason: str = ""  # the verifier's reason for the reward
+    token_versions: list[int] | None = None  # per completion token, after an in-flight update
 
     def to_log(self, step: int) -> dict:
         """This sample for `samples.jsonl` (token ids; trainer rank 0 decodes them)."""

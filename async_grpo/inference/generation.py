@@ -161,6 +161,7 @@ class GenerationWorker(RegisteredWorker):
                 o.text,
                 "length" if o.finish_reason == "length" else "stop",
                 sampled_version(o.weight_versions, version),
+                token_versions(o.weight_versions, len(o.token_ids), version),
             )
             for o in final.outputs
         ]
@@ -197,10 +198,15 @@ class GenerationWorker(RegisteredWorker):
         self.transport = info["kind"]
         return self.transport
 
-    async def begin_update(self, version: int, timeout_s: float, attempt: int = 0) -> float:
-        """Pause (running requests finish on the current weights), clear the caches, start
-        vLLM's layerwise reload; returns the seconds spent waiting for running requests.
-        The update is abandoned unless `end_update` comes within `timeout_s`.
+    async def begin_update(
+        self, version: int, timeout_s: float, attempt: int = 0, in_flight: bool = False
+    ) -> float:
+        """Pause, start vLLM's layerwise reload; returns the seconds spent pausing. Without
+        `in_flight`, running requests first finish on the current weights and the caches are
+        cleared; with it, they are frozen where they are and, once the new weights are in,
+        preempted so that their KV is recomputed under them (`end_update`): a token never
+        comes from KV of another version than its own label. The update is abandoned unless
+        `end_update` comes within `timeout_s`.
 
         Called again before `end_update` (the trainer resends a push that broke off when
         another worker died), it stays paused and starts the reload over."""
@@ -210,7 +216,10 @@ class GenerationWorker(RegisteredWorker):
         try:
             t = time.perf_counter()
             async with asyncio.timeout(timeout_s):
-                await self.engine.pause_generation(mode="wait", clear_cache=True)
+                if in_flight:
+                    await self.engine.pause_generation(mode="keep", clear_cache=False)
+                else:
+                    await self.engine.pause_generation(mode="wait", clear_cache=True)
             self.last_drain_s = time.perf_counter() - t
             await self.engine.start_weight_update()
             self._next_chunk, self._attempt = 0, attempt
@@ -294,7 +303,9 @@ class GenerationWorker(RegisteredWorker):
         return self.version
 
     async def _after_update(self, version: int) -> None:
-        if not await self.engine.reset_prefix_cache():  # nothing runs: this must succeed
+        # requests frozen by an in-flight update are preempted: their blocks are freed and
+        # their prompt and tokens so far are prefilled again under the new weights
+        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
             self.prefix_reset_failures += 1
         self.version = version
         await self.report_version()
@@ -322,6 +333,18 @@ class GenerationWorker(RegisteredWorker):
             self.engine.shutdown()
             self.engine = None
         return result
+
+
+def token_versions(spans: list[Any] | None, n: int, started: int) -> list[int] | None:
+    """The version that sampled each of `n` tokens, from vLLM's spans ([start, end) ranges
+    of output tokens and the weight version that produced them); None when every token has
+    one version (no update came during the request)."""
+    out = [started] * n
+    for v in spans or []:
+        lo, hi = max(0, v.start), min(n, v.end)
+        if str(v.version).isdigit() and hi > lo:
+            out[lo:hi] = [int(v.version)] * (hi - lo)
+    return out if len(set(out)) > 1 else None
 
 
 def sampled_version(spans: list[Any] | None, started: int) -> int:

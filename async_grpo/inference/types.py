@@ -28,7 +28,9 @@ class Completion:
     """One sampled completion.
 
     Invariants: len(logprobs) == len(token_ids); logprobs[i] is the sampling log-prob of
-    token_ids[i] under the weights of `policy_version`; finish_reason is "stop" or "length".
+    token_ids[i] under the weights of `token_versions[i]` (of `policy_version` when
+    `token_versions` is None); `policy_version` is the oldest of them; finish_reason is
+    "stop" or "length". Tokens of several versions come from an in-flight weight update.
     """
 
     token_ids: list[int]
@@ -36,6 +38,7 @@ class Completion:
     text: str
     finish_reason: str
     policy_version: int
+    token_versions: list[int] | None = None
 
 
 @dataclass

@@ -66,6 +66,7 @@ class WeightPusher:
         timeout_s: float = 300.0,
         chunk_limit: int = CHUNK_BYTES,
         worker_wait_s: float = 600.0,
+        in_flight: bool = False,
     ) -> None:
         from async_grpo.trainer.model import PREFIX
 
@@ -75,6 +76,7 @@ class WeightPusher:
         self.params = [(n.removeprefix(PREFIX), p) for n, p in named]
         self.rank, self.device, self.forced = rank, device, transport
         self.timeout_s, self.chunk_limit, self.worker_wait_s = timeout_s, chunk_limit, worker_wait_s
+        self.in_flight = in_flight  # running requests continue on the new weights
         self.registries: dict[str, Any] = {}
         self.pool_of: dict[str, str] = {}  # worker id -> pool
         self.lost: list[str] = []  # workers that died during pushes (a metric)
@@ -156,7 +158,7 @@ class WeightPusher:
         t1 = time.perf_counter()
         drains = self._wait(
             {
-                w: h.begin_update.remote(version, self.timeout_s, self.attempt)
+                w: h.begin_update.remote(version, self.timeout_s, self.attempt, self.in_flight)
                 for w, h in self.members.items()
             },
             f"pause for weights version {version}",

@@ -205,6 +205,57 @@ def test_push_while_requests_run_labels_every_token_with_its_weights(
     assert ray.get(near.ping.remote())["prefix_reset_failures"] == 0
 
 
+def test_in_flight_push_labels_each_token_with_the_weights_that_sampled_it(
+    workers, pusher, policy, prompt
+):
+    """`generation.weight_update: in_flight`: a push freezes running requests instead of
+    waiting for them, swaps the weights and recomputes their KV; each token then carries the
+    version whose weights sampled it, and its log-prob is that version's (old weights before
+    the switch, new weights over the whole context after it)."""
+    import ray
+
+    near, _ = workers
+    old = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    version = int(ray.get(near.ping.remote())["version"])
+    long = [SamplingSettings(max_new_tokens=150, temperature=1.0, seed=300 + i) for i in range(6)]
+
+    async def run():
+        calls = [near.generate.remote(prompt, 2, s) for s in long]
+        while (await near.ping.remote())["in_flight"] == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # some tokens out under the old weights
+        _perturb(policy, 3)
+        pusher.in_flight = True
+        try:
+            timings = await asyncio.to_thread(pusher.push, version + 1)
+        finally:
+            pusher.in_flight = False
+        return timings, [c for out in await asyncio.gather(*calls) for c in out]
+
+    timings, completions = asyncio.run(run())
+    new = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    mixed = [c for c in completions if c.token_versions is not None]
+    assert mixed, "no request was running across the push"
+    assert timings["worker_drain_s/max"] < 1.0  # the push did not wait for them
+    for c in completions:
+        per_token = c.token_versions or [c.policy_version] * len(c.token_ids)
+        assert set(per_token) <= {version, version + 1}
+        assert per_token == sorted(per_token) and c.policy_version == per_token[0]
+        switch = per_token.index(version + 1) if version + 1 in per_token else len(per_token)
+        for weights, part in ((old, slice(0, switch)), (new, slice(switch, None))):
+            if not c.token_ids[part]:
+                continue
+            with torch.no_grad():
+                for n, p in policy.named_parameters():
+                    p.copy_(weights[n])
+            got = _scored(policy, prompt, c.token_ids)[part]
+            assert (got - torch.tensor(c.logprobs[part])).abs().max() < 1e-3, (switch, part)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            p.copy_(new[n])
+    assert ray.get(near.ping.remote())["prefix_reset_failures"] == 0
+
+
 def _plasma_mib() -> float:
     from ray._private.internal_api import memory_summary
 

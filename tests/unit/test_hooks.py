@@ -153,3 +153,43 @@ def test_the_batcher_picks_logged_samples_across_groups():
     picked = samples_to_log(1, groups, cfg)
     assert [p["completion_ids"] for p in picked] == [[0, 0], [1, 0], [0, 1]]
     assert all(p["step"] == 2 for p in picked)
+
+
+class _LaggedBatcher(ScriptedBatcher):
+    """Counts the trainer's waits for the steps already started (the fixed lag)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.lag_waits = 0
+
+    def wait_generated(self):
+        self.lag_waits += 1
+
+    def pending(self, from_step):
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("update", "max_steps", "waits"),
+    [("wait", 5, 1), ("in_flight", 5, 0), ("in_flight", 1, 1)],
+)
+def test_in_flight_updates_skip_the_fixed_lag_before_a_push_not_a_save(
+    tiny_model_dir, tmp_path, update, max_steps, waits
+):
+    """`generation.weight_update: in_flight` pushes without waiting for the steps already
+    started (their requests go on under the new weights); a save still waits for them so
+    the checkpoint holds whole steps. max_steps=1: step 0 saves (and pushes nothing)."""
+    with one_rank_group(process_group_backend("cpu")):
+        cfg = run_config(str(tmp_path))
+        cfg = replace(
+            cfg,
+            trainer=replace(cfg.trainer, max_steps=max_steps, push_every=1, save_every=0),
+            batcher=replace(cfg.batcher, max_off_policy_steps=1),
+            generation=replace(cfg.generation, weight_update=update),
+        )
+        batcher = _LaggedBatcher(samples(), 0, 1)
+        tr = trainer(str(tiny_model_dir), cfg, torch.device("cpu"), batcher)
+        tr.pusher = _Pusher()
+        tr.step(0)
+    assert batcher.lag_waits == waits
+    assert tr.pusher.pushed == ([1] if max_steps > 1 else [])
