@@ -245,3 +245,19 @@ def test_async_resume_is_exact(async_runs):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
         assert got["samples_seen"] == want["samples_seen"]
     assert resumed[3]["time/step"] != full[3]["time/step"]  # step 4 really ran again
+
+
+def test_in_flight_updates_train_every_step_within_the_bound(tiny_model_dir, tmp_path):
+    """`generation.weight_update: in_flight` end to end (2 ranks, max_off_policy_steps=1):
+    pushes do not wait for the steps already started (no `time/wait_generated` except before
+    the saves at steps 3 and 4), every step trains its 12 samples with balanced books, and
+    the staleness bound holds for every sample's oldest token."""
+    full = _run(tiny_model_dir, tmp_path / "run", 4, *ASYNC, "generation.weight_update=in_flight")
+    assert [m["step"] for m in full] == [1, 2, 3, 4]
+    assert all(m["samples"] == 12 and m["grad_norm"] > 0 for m in full)
+    assert [m["samples_seen"] for m in full] == [12, 24, 36, 48]
+    assert ["time/wait_generated" in m for m in full] == [False, False, True, True]
+    assert all(m["staleness/max"] <= 1 for m in full)
+    assert all(m["staleness/token_mean"] <= m["staleness/mean"] + 1e-9 for m in full)
+    assert all(m.get("worker_prefix_reset_failures", 0) == 0 for m in full)
+    assert not any(k.startswith("dropped/") and v for m in full for k, v in m.items())
