@@ -14,36 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-IDLE_KEYS = ("time/wait", "time/wait_generated", "time/hooks_before_push")
+from _runs import idle_summary, run
 
 
 def one_run(config: str, steps: int, out: Path, with_eval: bool) -> dict:
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run, not a continuation
-    overrides = [f"trainer.max_steps={steps}", f"output_dir={out}"]
-    if not with_eval:
-        overrides.append("eval.data=null")
-    cmd = [sys.executable, "-m", "async_grpo.cli", "run", config, *overrides]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    wall = time.perf_counter() - t0
-    rows = [json.loads(x) for x in (out / "training_metrics.jsonl").read_text().splitlines()]
+    wall, rows = run(config, steps, out, *([] if with_eval else ["eval.data=null"]))
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/policy_version" in r]
-    step_s = sum(r["time/step"] for r in train)
-    idle = sum(r.get(k, 0.0) for r in train for k in IDLE_KEYS)
     return {
         "eval": with_eval,
         "steps": len(train),
         "wall_s": round(wall, 1),
-        "step_s": round(step_s, 1),
-        "idle_s": round(idle, 1),
-        "idle_fraction": round(idle / step_s, 4),
+        **idle_summary(train),
         "eval_wait_s": round(sum(r.get("time/hooks_before_push", 0.0) for r in train), 1),
         "reward_last10": round(sum(r["reward/mean"] for r in train[-10:]) / len(train[-10:]), 3),
         "evals": [

@@ -3,6 +3,7 @@ process of that run (by an environment tag each one inherits, not by name), read
 metrics and check the sample books."""
 
 import json
+import signal
 import subprocess
 import time
 import uuid
@@ -41,9 +42,20 @@ def start(cmd: list[str], out: Path, faults: str = "") -> tuple[subprocess.Popen
         "ASYNC_GRPO_FAULT_DIR": str(out / "faults"),
     }
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_default_sigint,
     )
     return proc, tag
+
+
+def _default_sigint() -> None:
+    """A shell's background job (`pytest ... &`) inherits SIGINT ignored, and a Python
+    started that way never raises KeyboardInterrupt: give the run Ctrl-C's default back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen, out: Path, timeout_s: float = 900) -> str:
