@@ -13,7 +13,7 @@ from pathlib import Path
 
 from async_grpo.cli_cluster import add_cluster_parsers
 from async_grpo.errors import EXIT_FILE_ENV, UserError
-from async_grpo.plot_cli import add_plot_parser
+from async_grpo.plot_cli import add_plot_parser, add_timeline_parser
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_parsers(sub)
     add_plot_parser(sub)
+    add_timeline_parser(sub)
     from async_grpo.evaluation.cli import add_eval_parser
 
     add_eval_parser(sub)

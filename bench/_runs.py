@@ -9,9 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-# the trainer's idle time: waiting for samples, for generation before a push (the fixed
-# lag), and for an evaluation before a push
-IDLE_KEYS = ("time/wait", "time/wait_generated", "time/hooks_before_push")
+from async_grpo.trainer.loop import IDLE_KEYS
 
 
 def run(config: str, steps: int, out: Path, *overrides: str) -> tuple[float, list[dict]]:
@@ -28,11 +26,15 @@ def run(config: str, steps: int, out: Path, *overrides: str) -> tuple[float, lis
 
 
 def idle_summary(train: list[dict]) -> dict:
-    """Summed step time, the trainer's idle seconds and their share of it."""
+    """Summed step time, the trainer's idle seconds and their share of it, and the
+    generation pool's busy fraction over the run (as the last step reported it)."""
     step_s = sum(r["time/step"] for r in train)
     idle = sum(r.get(k, 0.0) for r in train for k in IDLE_KEYS)
     return {
         "step_s": round(step_s, 1),
         "idle_s": round(idle, 1),
         "idle_fraction": round(idle / step_s, 4),
+        "generation_busy_fraction": round(
+            train[-1].get("pool/generation/busy_fraction_run", -1), 4
+        ),
     }

@@ -100,6 +100,9 @@ class ExperienceBatcher:
         self._caught_up_for = -1  # the version a PushNow was last sent for
         self._stalled = False  # no generation worker serves the current version
         self.catch_ups = 0  # PushNow sent (a metric)
+        self.busy = report.BusyBooks()
+        self._clock_since: dict[str, float] = {}  # per worker: its spans read up to here
+        self.score_spans: dict[int, list[dict]] = defaultdict(list)  # per step, the timeline's
         loss = cfg.trainer.loss
         # all-equal rewards give all-zero advantages; with no KL and no entropy term such a
         # sample's loss gradient is exactly 0, so it is counted in the normaliser only
@@ -133,6 +136,9 @@ class ExperienceBatcher:
 
             turns = self._turns or await asyncio.to_thread(turn_format, self.cfg)
             self._episodes = EpisodeRunner(self.cfg, self._clients, turns)
+        self.busy.add(
+            await report.generation_clocks(self._clients["generation"], self._clock_since)
+        )
         self._version_changed = asyncio.Condition()
         self._progress = asyncio.Condition()
         self._emitting = asyncio.Lock()
@@ -342,6 +348,7 @@ class ExperienceBatcher:
                 sampling,
                 step,
                 reissued,
+                self.score_spans[step],
             )
         if group is None:
             return None
@@ -404,6 +411,9 @@ class ExperienceBatcher:
             stats |= self._drain_counters(step)
             stats |= await report.pool_counters(self._clients)
             stats["pool/generation/catch_up_requests"] = float(self.catch_ups)
+            clocks = await report.generation_clocks(self._clients["generation"], self._clock_since)
+            stats |= self.busy.add(clocks)
+            spans = report.generation_spans(clocks) + self.score_spans.pop(step, [])
             tokens, count = self._loss_counts(samples)
             skip_tokens, skip_count = self._loss_counts(skipped)
             stats["skipped_samples"] = float(len(skipped))
@@ -418,6 +428,7 @@ class ExperienceBatcher:
                 for r in range(self.num_ranks):
                     eob = EndOfBatch(step, tokens, count, passes, stats, skip_tokens, skip_count)
                     eob.samples = logged if r == 0 else []  # rank 0 writes them
+                    eob.spans = spans if r == 0 else []
                     await self.channel.put(r, eob, 1, timeout_s=3600)
             step += 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from async_grpo.batcher.types import ScoredSample
@@ -19,10 +20,12 @@ async def single_turn_group(
     sampling: SamplingSettings,
     step: int,
     reissued: Any,
+    spans: list[dict] | None = None,
 ) -> list[ScoredSample] | None:
     """The scored group (advantages left 0.0 for the caller), or None when it came back
     staler than the bound. `books` gets the step's sample counts; `score_book` is the step's
-    [failed, scored, first reasons] of the verifier."""
+    [failed, scored, first reasons] of the verifier; `spans` gets the scoring's timeline
+    span."""
     from async_grpo.rewards import RewardInput
 
     n, ids = cfg.batcher.samples_per_question, prompt.input_token_ids
@@ -34,12 +37,15 @@ async def single_turn_group(
     if step - min(c.policy_version for c in completions) > k:
         books["dropped/stale"] += n
         return None
+    t0 = time.time()
     scored = await clients["verifier"].call(
         n,
         "score",
         [RewardInput(prompt.input, c.text, prompt.answer, prompt.metadata) for c in completions],
         on_retry=reissued,
     )
+    if spans is not None:
+        spans.append({"lane": "verifier", "what": "score", "start": t0, "end": time.time()})
     books["samples/scored"] += len(scored)
     score_book[1] += len(scored)
     for s in scored:

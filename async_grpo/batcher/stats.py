@@ -132,6 +132,71 @@ async def pool_counters(clients: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class BusyBooks:
+    """The generation pool's busy fraction, from the workers' clocks (`BusyClock`): over
+    the window since the last reading and since the first one (the batcher's start). A
+    worker that joined inside a window counts from its start; one that died takes its
+    last window with it."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[float, float]] = {}  # worker -> (busy s, up s) read last
+        self.busy_s = self.up_s = 0.0  # summed over the windows after the first reading
+        self.first = True
+
+    def add(self, clocks: list[dict[str, Any]]) -> dict[str, float]:
+        busy = up = 0.0
+        for c in clocks:
+            b0, u0 = self.seen.get(c["worker_id"], (0.0, 0.0))
+            busy, up = busy + c["busy_s"] - b0, up + c["up_s"] - u0
+            self.seen[c["worker_id"]] = (c["busy_s"], c["up_s"])
+        if self.first:  # the time before the run (start-up) is not the run's
+            self.first = False
+            return {}
+        self.busy_s, self.up_s = self.busy_s + busy, self.up_s + up
+        out = {}
+        if up > 0:
+            out["pool/generation/busy_fraction"] = busy / up
+        if self.up_s > 0:
+            out["pool/generation/busy_fraction_run"] = self.busy_s / self.up_s
+        return out
+
+
+async def generation_clocks(client: Any, since: dict[str, float]) -> list[dict[str, Any]]:
+    """Every live generation worker's clock reading (`RegisteredWorker.clock_reading`) with
+    its busy stretches after `since[worker]` (0: all it kept), which is moved on to the
+    worker's time of reading; [] without a registry or when it does not answer in time."""
+    registry = getattr(client, "registry", None)
+    if registry is None:
+        return []
+    try:
+        async with asyncio.timeout(POOL_STATS_TIMEOUT_S):
+            handles = await registry.handles.remote()
+            answers = await asyncio.gather(
+                *(h.clock_reading.remote(since.get(w, 0.0)) for w, h in handles.items()),
+                return_exceptions=True,
+            )
+    except TimeoutError:
+        print(
+            f"batcher: generation workers' clocks not read within {POOL_STATS_TIMEOUT_S:.0f}s;"
+            " this step's busy fraction is left out",
+            flush=True,
+        )
+        return []
+    readings = [a for a in answers if isinstance(a, dict)]  # the dead say nothing
+    for r in readings:
+        since[r["worker_id"]] = r["now"]
+    return readings
+
+
+def generation_spans(readings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workers' busy stretches as timeline spans (`async_grpo.timeline`)."""
+    return [
+        {"lane": r["worker_id"], "what": "generate", "start": a, "end": b, "version": v}
+        for r in readings
+        for a, b, v in r["spans"]
+    ]
+
+
 def samples_to_log(step: int, groups: list[list[ScoredSample]], cfg: Any) -> list[dict]:
     """Every `cfg.sample_every` steps, `cfg.samples_logged` samples spread over the step's
     groups (sample i from group i mod G, then the next sample of each), for samples.jsonl."""

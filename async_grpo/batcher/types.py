@@ -102,6 +102,7 @@ class EndOfBatch:
     skipped_tokens: int = 0
     skipped_samples: int = 0
     samples: list[dict] = field(default_factory=list)  # a few, every `sample_every` steps
+    spans: list[dict] = field(default_factory=list)  # the pools' timeline spans (rank 0's)
 
 
 @dataclass

@@ -73,6 +73,7 @@ class GenerationWorker(RegisteredWorker):
         self._watchdog: asyncio.Task | None = None
         self._chunk_turn = asyncio.Condition()  # chunks of a push load in index order
         self._next_chunk = 0
+        self.broadcast_rank: int | None = None  # this engine's first rank in a broadcast group
         self._attempt: int | None = None  # the push under way (paused), None between pushes
         self.requests_served = 0
         self.prefix_reset_failures = 0  # updates after which vLLM kept old prefix blocks
@@ -141,6 +142,7 @@ class GenerationWorker(RegisteredWorker):
         )
         version = self.version
         self.in_flight += n
+        self.clock.enter()
         # a caller that gives up cancels this call (ray.cancel): the CancelledError raised
         # here makes vLLM abort the request, so no ghost work keeps the engine busy
         try:
@@ -153,6 +155,7 @@ class GenerationWorker(RegisteredWorker):
             raise RequestError(f"{self.worker_id}: request refused by vLLM: {e}") from None
         finally:
             self.in_flight -= n
+            self.clock.leave()
         self.requests_served += 1
         return [
             Completion(
@@ -196,6 +199,7 @@ class GenerationWorker(RegisteredWorker):
             WeightTransferInitRequest(init_info={"info": info})
         )
         self.transport = info["kind"]
+        self.broadcast_rank = info.get("rank_offset")  # None off the broadcast group
         return self.transport
 
     async def begin_update(
@@ -221,6 +225,7 @@ class GenerationWorker(RegisteredWorker):
                 else:
                     await self.engine.pause_generation(mode="wait", clear_cache=True)
             self.last_drain_s = time.perf_counter() - t
+            self.clock.pause(True)
             await self.engine.start_weight_update()
             self._next_chunk, self._attempt = 0, attempt
         except BaseException:
@@ -261,6 +266,8 @@ class GenerationWorker(RegisteredWorker):
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         fault_point("generation.load_chunk")
+        if self.broadcast_rank is not None:  # a death at a chosen place in the group
+            fault_point(f"generation.load_chunk.rank{self.broadcast_rank}")
         async with self._chunk_turn:
             await self._chunk_turn.wait_for(
                 lambda: self._attempt != attempt or self._next_chunk == index
@@ -295,6 +302,7 @@ class GenerationWorker(RegisteredWorker):
         await self._update_lock.acquire()
         try:
             await self.engine.pause_generation(mode="wait", clear_cache=True)
+            self.clock.pause(True)
             await self.engine.collective_rpc("async_grpo_load_dir", args=(hf_dir,))
             await self.engine.update_weight_version(str(version))
             await self._after_update(version)
@@ -307,11 +315,12 @@ class GenerationWorker(RegisteredWorker):
         # their prompt and tokens so far are prefilled again under the new weights
         if not await self.engine.reset_prefix_cache(reset_running_requests=True):
             self.prefix_reset_failures += 1
-        self.version = version
+        self.version = self.clock.version = version
         await self.report_version()
 
     async def _resume(self) -> None:
         await self.engine.resume_generation()
+        self.clock.pause(False)
         self._update_lock.release()
 
     async def _abandon_after(self, version: int, timeout_s: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import socket
 import time
@@ -10,6 +11,65 @@ from typing import Any
 
 HEARTBEAT_S = 2.0
 REGISTRY_CALL_TIMEOUT_S = 60.0  # register / heartbeat answered by the pool's registry
+
+
+class BusyClock:
+    """Seconds during which a worker had at least one request to work on and was not paused
+    (for a weight update), and seconds since it started: their ratio over a window is the
+    worker's busy fraction. The busy stretches themselves are kept too (wall clock, with the
+    version served; the last MAX_SPANS) for the run's timeline."""
+
+    MAX_SPANS = 4096
+
+    def __init__(self) -> None:
+        self.started = self._last = time.monotonic()
+        self.busy_s = 0.0
+        self.version = 0  # the version served, set by the worker
+        self._open = 0  # requests in the engine
+        self._paused = False
+        self._since: float | None = None  # wall start of the busy stretch under way
+        self.spans: collections.deque = collections.deque(maxlen=self.MAX_SPANS)
+
+    def _counting(self) -> bool:
+        return bool(self._open) and not self._paused
+
+    def _change(self, open_delta: int = 0, paused: bool | None = None) -> None:
+        now = time.monotonic()
+        was = self._counting()
+        if was:
+            self.busy_s += now - self._last
+        self._last = now
+        self._open += open_delta
+        if paused is not None:
+            self._paused = paused
+        if self._counting() and not was:
+            self._since = time.time()
+        elif was and not self._counting():
+            self.spans.append((self._since, time.time(), self.version))
+            self._since = None
+
+    def enter(self) -> None:
+        self._change(open_delta=1)
+
+    def leave(self) -> None:
+        self._change(open_delta=-1)
+
+    def pause(self, paused: bool) -> None:
+        self._change(paused=paused)
+
+    def read(self) -> tuple[float, float]:
+        """(busy seconds, seconds up) so far."""
+        self._change()
+        return self.busy_s, self._last - self.started
+
+    def spans_since(self, since: float) -> tuple[list[tuple[float, float, int]], float]:
+        """The busy stretches after wall time `since` (cut at it; the one under way up to
+        now), and now: the `since` of the next call, so no stretch is counted twice."""
+        now = time.time()
+        spans = [(max(a, since), b, v) for a, b, v in self.spans if b > since]
+        if self._since is not None:
+            spans.append((max(self._since, since), now, self.version))
+        return spans, now
 
 
 class RegisteredWorker:
@@ -30,6 +90,7 @@ class RegisteredWorker:
         self.registry: Any = None
         self.weight_load_failures = 0  # checkpoints that could not be loaded (a metric)
         self.transport = ""  # how pushed weights reach this worker, once a trainer set it up
+        self.clock = BusyClock()
         self._heartbeat: asyncio.Task | None = None
 
     async def register(self) -> None:
@@ -106,6 +167,18 @@ class RegisteredWorker:
                     await self._join(me)
             except Exception as e:  # the registry may be restarting; keep serving
                 print(f"{self.worker_id}: heartbeat failed: {e}", flush=True)
+
+    async def clock_reading(self, since: float) -> dict[str, Any]:
+        """Busy and up seconds so far, and the busy stretches after wall time `since`."""
+        busy_s, up_s = self.clock.read()
+        spans, now = self.clock.spans_since(since)
+        return {
+            "worker_id": self.worker_id,
+            "busy_s": busy_s,
+            "up_s": up_s,
+            "spans": spans,
+            "now": now,
+        }
 
     async def ping(self) -> dict[str, Any]:
         return {

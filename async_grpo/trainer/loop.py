@@ -28,6 +28,11 @@ from async_grpo.core.packing import pack
 from async_grpo.errors import UserError
 from async_grpo.faults import fault_point
 from async_grpo.hooks import HookContext, Hooks
+from async_grpo.timeline import SpanLog
+
+# the trainer's idle time in a step: waiting for samples, for generation before a push
+# (the fixed lag), and for an evaluation of the old version before a push
+IDLE_KEYS = ("time/wait", "time/wait_generated", "time/hooks_before_push")
 
 
 def process_group_backend(device_type: str) -> str:
@@ -64,6 +69,8 @@ class Trainer:
         self.pusher: Any = None
         self.resumed_hf: str | None = None  # the checkpoint this run resumed from
         self.writer: Any = None
+        self.timeline: Any = None  # rank 0's TimelineWriter
+        self.spans = SpanLog("trainer")
         self.bar: Any = None
         self.hooks = Hooks([])  # rank 0's (build_trainer): eval, sample log, the user's
         self.log_dir: Any = None  # OUTPUT_DIR/logs in a quiet run
@@ -152,9 +159,10 @@ class Trainer:
         defer = self.cfg.trainer.defer_grad_sync and self.world > 1
         unreduced = False  # a backward ran without reducing its gradients
         while True:
-            tw = time.perf_counter()
+            tw, wall = time.perf_counter(), time.time()
             item = self.batcher.next()
             acc["time/wait"] += time.perf_counter() - tw
+            self.spans.add("wait", wall, time.time())
             if isinstance(item, PushNow):
                 self._catch_up(step, acc)
                 continue
@@ -163,7 +171,7 @@ class Trainer:
                     self._reduce_pass()
                     acc["reduce_passes"] = 1
                 return item, acc
-            tf = time.perf_counter()
+            tf, wall = time.perf_counter(), time.time()
             batch = pack(item.samples, share_prompts=self.cfg.batcher.share_prompts)
             batch = self.policy.attention.prepare(batch).to(self.device)
             if defer:  # the same on every rank: rounds and their `last` are
@@ -184,6 +192,7 @@ class Trainer:
             acc["received"] += len(item.samples)
             acc["tokens"] += item.num_tokens
             acc["time/forward_backward"] += time.perf_counter() - tf
+            self.spans.add("train", wall, time.time())
 
     def _catch_up(self, step: int, acc: dict[str, Any]) -> None:
         """A PushNow (every rank gets it between the same two minibatches): push the
@@ -198,7 +207,8 @@ class Trainer:
         t = time.perf_counter()
         if self.rank == 0:
             print(f"weight push {step}: catching up {behind}", flush=True)
-        self.pusher.push(step)
+        with self.spans.span("push"):
+            self.pusher.push(step)
         if self.rank == 0:
             self.batcher.set_version(step)
         acc["weight_catch_up_pushes"] += 1
@@ -228,7 +238,7 @@ class Trainer:
                 f"rank {self.rank}: step {step} ran {acc['passes']} minibatches, the batcher"
                 f" closed step {eob.step} after {eob.num_minibatches}"
             )
-        to = time.perf_counter()
+        to, wall = time.perf_counter(), time.time()
         keys = sorted(acc["sums"])
         flat = torch.tensor(
             [*acc["counts"], acc["tokens"], acc["received"], *(acc["sums"][k] for k in keys)],
@@ -259,6 +269,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        self.spans.add("train", wall, time.time())
         self.samples_seen += n_seq
         keep = (
             "time/wait",
@@ -281,20 +292,23 @@ class Trainer:
         fixed_lag = save or (push and not in_flight)
         if fixed_lag and self.rank == 0 and self.cfg.batcher.max_off_policy_steps:
             tg = time.perf_counter()
-            self.batcher.wait_generated()
+            with self.spans.span("wait"):
+                self.batcher.wait_generated()
             timings["time/wait_generated"] = time.perf_counter() - tg
             pending = self.batcher.pending(done) if save else None
         if push:  # a collective: every rank gathers, rank 0 sends
             if self.rank == 0:
                 th = time.perf_counter()
-                self.hooks.call("before_push", done)  # an evaluation of the old version ends
+                with self.spans.span("hooks"):
+                    self.hooks.call("before_push", done)  # an evaluation of the old version ends
                 timings["time/hooks_before_push"] = time.perf_counter() - th
-            timings |= self.pusher.push(done)
+            with self.spans.span("push"):
+                timings |= self.pusher.push(done)
             if self.rank == 0:
                 self.batcher.set_version(done)
                 self.hooks.call("after_push", done)
         if save:
-            ts = time.perf_counter()
+            ts, wall = time.perf_counter(), time.time()
             counters: dict[str, Any] = {"samples_seen": self.samples_seen}
             if self.rank == 0 and self.cfg.batcher.curriculum:
                 counters["curriculum"] = self.batcher.curriculum_state(step)
@@ -314,7 +328,10 @@ class Trainer:
                 path = checkpoint.checkpoint_dir(self.cfg.output_dir, done)
                 self.hooks.call("after_checkpoint", done, path)
             timings["time/checkpoint"] = time.perf_counter() - ts
+            self.spans.add("save", wall, time.time())
         elapsed = time.perf_counter() - t0
+        idle = sum(timings.get(k, 0.0) for k in IDLE_KEYS)
+        timings["time/idle_fraction"] = idle / elapsed if elapsed > 0 else 0.0
         summary = summarize_metrics(
             {k: v for k, v in sums.items() if k.endswith("_sum") or k == "tokens"}
         )
@@ -337,8 +354,11 @@ class Trainer:
             **self.policy.attention.stats(),
             **timings,
         }
+        spans = self.spans.take()
         if self.writer is not None:
             self.writer.log(done, record)
+        if self.timeline is not None:
+            self.timeline.write(done, spans + eob.spans)
         if self.rank == 0:
             self.hooks.call("after_step", done, record, eob.samples)
         if self.bar is not None:
@@ -468,6 +488,9 @@ def build_trainer(
         trainer.writer = MetricsWriter(
             cfg.output_dir, trackers=cfg.trackers, after_step=trainer.start
         )
+        from async_grpo.timeline import TimelineWriter
+
+        trainer.timeline = TimelineWriter(cfg.output_dir, trainer.start)
     return trainer
 
 

@@ -179,7 +179,7 @@ class WeightPusher:
         for k, chunk in enumerate(self.chunks):
             s = k % 2
             if in_slot[s] is not None:  # every worker has loaded chunk k-2 from slot s
-                self._drain_slot(in_slot[s])
+                self._drain_slot(in_slot, s)
             tp = time.perf_counter()
             slot = self.slots.slot(s)
             offset = 0
@@ -195,22 +195,43 @@ class WeightPusher:
                 w: h.load_chunk.remote(k, metas, s, offset, self.attempt)
                 for w, h in self.members.items()
             }
-            work = self.group.broadcast(slot[:offset]) if self.group is not None else None
-            in_slot[s] = (refs, work, k)
+            in_slot[s] = (
+                refs,
+                self.group.broadcast(slot[:offset]) if self.group is not None else None,
+                k,
+            )
             sent += offset
-        for pending in sorted([p for p in in_slot if p is not None], key=lambda p: p[2]):
-            self._drain_slot(pending)
+        for s in sorted((s for s in (0, 1) if in_slot[s] is not None), key=lambda s: in_slot[s][2]):
+            self._drain_slot(in_slot, s)
         return sent
 
-    def _drain_slot(self, pending: tuple[dict[str, Any], Any, int]) -> None:
-        refs, work, k = pending
-        if work is not None:
-            try:
-                work.wait()
-            except RuntimeError as e:  # a peer's connection closed: it died
-                self._wait(refs, f"load weight chunk {k}", allow_lost=True)  # who it was
-                raise GroupBroken(f"the broadcast of chunk {k} failed ({e})") from None
-        self._wait(refs, f"load weight chunk {k}")
+    def _drain_slot(self, in_slot: list[tuple[dict[str, Any], Any, int] | None], s: int) -> None:
+        """Wait until every worker has loaded the chunk in slot `s`, then free the slot.
+
+        When its broadcast fails (a member died), the group is torn down before anything
+        else: a member blocked receiving from rank 0 waits for the group's timeout unless
+        rank 0's connections close, and they close only when the last reference to the
+        group and to its pending broadcasts is gone. Then the dead are found among the
+        chunk's loads, and GroupBroken is raised."""
+        refs, work, k = in_slot[s]
+        in_slot[s] = None
+        if work is None:
+            self._wait(refs, f"load weight chunk {k}")
+            return
+        try:
+            work.wait()
+            failed = None
+        except RuntimeError as e:  # a peer's connection closed: it died
+            failed = f"the broadcast of chunk {k} failed ({e})"
+        del work
+        if failed is None:
+            self._wait(refs, f"load weight chunk {k}")
+            return
+        in_slot[:] = [None, None]  # the other slot's broadcast, if any, goes too
+        self.group.close()
+        self.group = None
+        self._wait(refs, f"load weight chunk {k}", allow_lost=True)  # who it was
+        raise GroupBroken(failed)
 
     def _live_workers(self) -> dict[str, Any]:
         """The registered workers that answer; a dead one is dropped from its registry (it
@@ -316,7 +337,7 @@ class WeightPusher:
         """Each worker's answer; a worker that died meanwhile is dropped (`_lose`) and has
         none. GroupBroken if it was in the broadcast group (unless `allow_lost`)."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         ready, pending = ray.wait(
             list(refs.values()), num_returns=len(refs), timeout=self.timeout_s
@@ -331,6 +352,11 @@ class WeightPusher:
             except RayActorError:
                 if self._lose(wid, what) == "broadcast":
                     broken.append(wid)
+            except RayTaskError:
+                if not allow_lost:
+                    raise
+                # a survivor of a broken group: its receive failed with the group; it is
+                # paused mid-update and takes the push again
         if broken and not allow_lost:
             raise GroupBroken(f"broadcast member(s) {broken} died while asked to {what}")
         return answers

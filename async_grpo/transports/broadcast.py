@@ -52,6 +52,9 @@ class WeightSyncGroup:
         return self.pg.broadcast([tensor], opts)
 
     def close(self) -> None:
+        """Drop this member's group. Its connections close once no Work of a broadcast is
+        left either, and a member blocked receiving from it then fails at once instead of
+        at the group's timeout (gloo has no abort that closes them)."""
         self.pg = None
         self._store = None
 

@@ -47,9 +47,11 @@ def test_dead_workers_are_replaced_and_every_sample_accounted_for(tiny_model_dir
 
 
 def test_a_broadcast_member_dying_mid_push_makes_the_push_start_over(tiny_model_dir, tmp_path):
-    """Two generation workers on the broadcast group; one dies before loading the first
-    chunk of the first push. The group is formed again without it, the survivor (paused
-    all along) starts its reload over and gets the whole push; the run finishes."""
+    """Two generation workers on the broadcast group; the one on rank 1 dies before loading
+    the first chunk of the first push. gloo's broadcast from rank 0 then fails before it
+    sent anything to rank 2, which stays blocked in its receive until rank 0 tears the
+    group down. The group is formed again without the dead one, the survivor (paused all
+    along) starts its reload over and gets the whole push; the run finishes."""
     cmd = tiny_run(
         tiny_model_dir,
         tmp_path,
@@ -58,10 +60,10 @@ def test_a_broadcast_member_dying_mid_push_makes_the_push_start_over(tiny_model_
         "generation.kv_cache_gib=0.25",
         "trainer.weight_transport=broadcast",
     )
-    proc, tag = start(cmd, tmp_path, "generation.load_chunk@1")
+    proc, tag = start(cmd, tmp_path, "generation.load_chunk.rank1@1")
     out = finish(proc, tmp_path)
     assert proc.returncode == 0, out[-4000:]
-    assert fired(tmp_path) == ["generation.load_chunk"]
+    assert fired(tmp_path) == ["generation.load_chunk.rank1"]
     assert "forming the group again, resending" in out, out[-4000:]
     steps = rows(tmp_path)
     assert [r["step"] for r in steps] == [1, 2, 3]

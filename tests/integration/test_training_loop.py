@@ -59,6 +59,10 @@ def test_three_steps_train_and_push(runs):
         assert m["kl"] >= 0.0 and "reward/rewards_for_tests:vowel_share/vowels" in m
         assert m["staleness/max"] == 0  # max_off_policy_steps=0: on-policy
         assert m["verifier/timeouts"] == 0 and m["verifier/errors"] == 0
+        # on-policy: each step's window holds its own generation, and the trainer waits
+        assert 0 < m["pool/generation/busy_fraction"] <= 1
+        assert 0 < m["pool/generation/busy_fraction_run"] <= 1
+        assert 0 < m["time/idle_fraction"] < 1
     assert [m["verifier/scored"] for m in cut] == [6.0, 12.0, 18.0]  # counted since start
     # the workers served each new version: pushed after steps 1 and 2 (the last step saves)
     assert [m.get("worker_version/min") for m in cut] == [1.0, 2.0, None]
@@ -82,6 +86,29 @@ def test_console_is_quiet_and_worker_logs_are_files(runs):
     logs = sorted(p.name.split("-")[0] for p in (base / "full" / "logs").glob("*.log"))
     assert logs == ["batcher.log", "gen", "lp", "verify"], logs
     assert "vLLM" in "".join(p.read_text() for p in (base / "full" / "logs").glob("gen-*"))
+
+
+def test_the_timeline_holds_every_part_of_every_step(runs):
+    """timeline.jsonl of the 4-step run: the trainer waits, trains, pushes and saves; the
+    generation worker generates under the version pushed after the step before (on-policy);
+    the verifier scores each step's group; a resumed run keeps each step once."""
+    from async_grpo.timeline import read_timeline
+
+    full, cut, resumed, base = runs
+    spans = read_timeline(base / "full")
+    assert sorted({s["step"] for s in spans}) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        mine = [s for s in spans if s["step"] == step]
+        trainer = {s["what"] for s in mine if s["lane"] == "trainer"}
+        assert {"train", "wait"} <= trainer
+        assert ("push" in trainer) == (step < 4)  # none after the last step
+        assert ("save" in trainer) == (step in (3, 4))
+        gen = [s for s in mine if s["lane"].startswith("gen-")]
+        assert gen and {s["version"] for s in gen} == {step - 1}
+        assert len([s for s in mine if s["lane"] == "verifier"]) == 1  # one group a step
+    assert all(s["end"] >= s["start"] for s in spans)
+    steps = [s["step"] for s in read_timeline(base / "cut")]
+    assert steps == sorted(steps) and sorted(set(steps)) == [1, 2, 3, 4]
 
 
 def test_resume_continues_exactly(runs):

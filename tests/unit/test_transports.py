@@ -126,3 +126,59 @@ def test_shared_slots_refuse_a_full_shm_with_one_line(monkeypatch):
     monkeypatch.setattr(shm, "shm_room", lambda directory=shm.SHM_DIR: 10 << 20)
     with pytest.raises(OSError, match=r"has 10 MiB free; shared-memory weight slots need 64 MiB"):
         shm.SharedSlots(32 << 20)
+
+
+_MEMBER = """
+import os, signal, sys, time
+import torch
+from async_grpo.transports.broadcast import WeightSyncGroup
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+group = WeightSyncGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=120)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # dies in the group, before the broadcast
+t = torch.zeros(1 << 20)
+start = time.monotonic()
+try:
+    group.broadcast(t).wait()
+    print("received", t[0].item(), flush=True)
+except RuntimeError:
+    print(f"failed after {time.monotonic() - start:.1f}s", flush=True)
+"""
+
+
+def test_a_member_blocked_by_a_broken_broadcast_fails_once_rank_0_closes_the_group():
+    """Rank 1 dies; rank 0's broadcast fails at its first send, before rank 2 got a byte, and
+    rank 2 would wait out the group's 120 s timeout. The pusher relies on this: dropping
+    the failed broadcast and closing the group closes rank 0's connections, and rank 2's
+    receive fails at once."""
+    import subprocess
+    import sys
+    import time
+
+    from async_grpo.trainer.push import _free_port
+    from async_grpo.transports.broadcast import WeightSyncGroup
+
+    port = _free_port()
+    members = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MEMBER, str(r), str(port)], stdout=subprocess.PIPE, text=True
+        )
+        for r in (1, 2)
+    ]
+    try:
+        group = WeightSyncGroup("127.0.0.1", port, 0, 3, "gloo", timeout_s=120)
+        assert members[0].wait(timeout=60) == -9  # rank 1 is gone
+        t = torch.ones(1 << 20)
+        work = group.broadcast(t)
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            work.wait()
+        time.sleep(3.0)  # rank 2 stays blocked meanwhile
+        assert members[1].poll() is None
+        del work  # the failed broadcast holds the group's connections open too
+        group.close()
+        out, _ = members[1].communicate(timeout=30)  # well inside the group's timeout
+        assert out.startswith("failed after "), out
+        assert float(out.split()[2].rstrip("s")) < 30
+    finally:
+        for m in members:
+            m.kill()
