@@ -36,6 +36,7 @@ TRAINER_COLOURS = {
     "save": "#8c564b",
     "hooks": "#ff7f0e",
 }
+SCORE_COLOUR = "#444444"
 
 
 class SpanLog:
@@ -146,8 +147,9 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
 def draw(spans: list[dict[str, Any]], out: str | Path, title: str = "") -> Path:
     """One horizontal lane per part (trainer on top, then the generation workers, then
     the verifier), seconds since the first span on x. The trainer's spans are coloured by
-    what they are; generation by the version served (cycling colours, labelled where
-    wide enough); scoring by step. Writes `out` (.png or .svg)."""
+    what they are; generation by the version served (a palette apart from the trainer's,
+    cycling, labelled where wide enough); scoring in one colour. Writes `out` (.png or
+    .svg)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -158,8 +160,10 @@ def draw(spans: list[dict[str, Any]], out: str | Path, title: str = "") -> Path:
     lanes = sorted({s["lane"] for s in spans}, key=_lane_order)
     t0 = min(s["start"] for s in spans)
     t1 = max(s["end"] for s in spans)
-    cycle = [f"C{i}" for i in range(10)]
-    fig = Figure(figsize=(14, 1.0 + 0.55 * len(lanes)))
+    from matplotlib import colormaps
+
+    versions = colormaps["Set2"].colors
+    fig = Figure(figsize=(14, 1.8 + 0.55 * len(lanes)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     shares = busy_shares(spans)
@@ -170,9 +174,9 @@ def draw(spans: list[dict[str, Any]], out: str | Path, title: str = "") -> Path:
             if lane == "trainer":
                 colour = TRAINER_COLOURS.get(s["what"], "black")
             elif s["what"] == "generate":
-                colour = cycle[int(s.get("version", 0)) % len(cycle)]
+                colour = versions[int(s.get("version", 0)) % len(versions)]
             else:
-                colour = cycle[int(s.get("step", 0)) % len(cycle)]
+                colour = SCORE_COLOUR
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), color=colour, alpha=0.85, linewidth=0)
             if s["what"] == "generate" and w > 0.04 * (t1 - t0):
                 ax.text(x + w / 2, y, f"v{s.get('version', '?')}", ha="center", va="center")
