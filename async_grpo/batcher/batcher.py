@@ -34,7 +34,7 @@ import torch
 
 from async_grpo.batcher import stats as report
 from async_grpo.batcher.channel import Channel, ChannelClosed
-from async_grpo.batcher.rounds import fill_round, split_group
+from async_grpo.batcher.rounds import fill_round, flat_units, split_group
 from async_grpo.batcher.single_turn import single_turn_group
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample
 from async_grpo.config import RunConfig
@@ -100,8 +100,7 @@ class ExperienceBatcher:
         self._caught_up_for = -1  # the version a PushNow was last sent for
         self._stalled = False  # no generation worker serves the current version
         self.catch_ups = 0  # PushNow sent (a metric)
-        self.busy = report.BusyBooks()
-        self._clock_since: dict[str, float] = {}  # per worker: its spans read up to here
+        self.clock = report.PoolClock()
         self.score_spans: dict[int, list[dict]] = defaultdict(list)  # per step, the timeline's
         loss = cfg.trainer.loss
         # all-equal rewards give all-zero advantages; with no KL and no entropy term such a
@@ -136,9 +135,7 @@ class ExperienceBatcher:
 
             turns = self._turns or await asyncio.to_thread(turn_format, self.cfg)
             self._episodes = EpisodeRunner(self.cfg, self._clients, turns)
-        self.busy.add(
-            await report.generation_clocks(self._clients["generation"], self._clock_since)
-        )
+        await self.clock.read(self._clients["generation"])  # the window starts here
         self._version_changed = asyncio.Condition()
         self._progress = asyncio.Condition()
         self._emitting = asyncio.Lock()
@@ -391,7 +388,7 @@ class ExperienceBatcher:
                 while (
                     bins := fill_round([self._tokens(u) for u in buffer], self.num_ranks, budget)
                 ) is not None:
-                    await self._send_round(step, [_flat(buffer, bin_) for bin_ in bins])
+                    await self._send_round(step, [flat_units(buffer, bin_) for bin_ in bins])
                     taken = {i for bin_ in bins for i in bin_}
                     buffer = [u for i, u in enumerate(buffer) if i not in taken]
                     passes += 1
@@ -399,7 +396,7 @@ class ExperienceBatcher:
             for k in range(len(plan[0])):
                 await self._send_round(
                     step,
-                    [_flat(buffer, plan[r][k]) for r in range(self.num_ranks)],
+                    [flat_units(buffer, plan[r][k]) for r in range(self.num_ranks)],
                     last=k == len(plan[0]) - 1,
                 )
                 passes += 1
@@ -411,9 +408,9 @@ class ExperienceBatcher:
             stats |= self._drain_counters(step)
             stats |= await report.pool_counters(self._clients)
             stats["pool/generation/catch_up_requests"] = float(self.catch_ups)
-            clocks = await report.generation_clocks(self._clients["generation"], self._clock_since)
-            stats |= self.busy.add(clocks)
-            spans = report.generation_spans(clocks) + self.score_spans.pop(step, [])
+            busy, spans = await self.clock.read(self._clients["generation"])
+            stats |= busy
+            spans += self.score_spans.pop(step, [])
             tokens, count = self._loss_counts(samples)
             skip_tokens, skip_count = self._loss_counts(skipped)
             stats["skipped_samples"] = float(len(skipped))
@@ -501,8 +498,3 @@ class ExperienceBatcher:
         if budget:
             out["packing_efficiency"] = self.counters["packed_tokens"] / budget
         return out
-
-
-def _flat(units: list[list[ScoredSample]], picked: list[int]) -> list[ScoredSample]:
-    """The samples of the picked units, each unit's samples kept together."""
-    return [s for i in picked for s in units[i]]

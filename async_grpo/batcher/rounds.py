@@ -8,6 +8,7 @@ number of forward/backward passes.
 
 from __future__ import annotations
 
+from async_grpo.batcher.types import ScoredSample
 from async_grpo.core.packing import packed_length
 
 FILL_TARGET = 0.95
@@ -53,3 +54,8 @@ def fill_round(
     if all(budget - left >= min_fill * budget for left in room):
         return bins
     return None
+
+
+def flat_units(units: list[list[ScoredSample]], picked: list[int]) -> list[ScoredSample]:
+    """The samples of the picked units, each unit's samples kept together."""
+    return [s for i in picked for s in units[i]]

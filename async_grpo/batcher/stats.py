@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from async_grpo.batcher.types import ScoredSample
+from async_grpo.errors import UserError
 
 POOL_STATS_TIMEOUT_S = 60.0
 
@@ -132,16 +133,28 @@ async def pool_counters(clients: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-class BusyBooks:
-    """The generation pool's busy fraction, from the workers' clocks (`BusyClock`): over
-    the window since the last reading and since the first one (the batcher's start). A
-    worker that joined inside a window counts from its start; one that died takes its
-    last window with it."""
+class PoolClock:
+    """The generation pool's busy fraction and busy stretches, from the workers' clocks
+    (`BusyClock`), read once per step: the busy fraction over the window since the last
+    reading and since the first one (the batcher's start). A worker that joined inside a
+    window counts from its start; one that died takes its last window with it."""
 
     def __init__(self) -> None:
         self.seen: dict[str, tuple[float, float]] = {}  # worker -> (busy s, up s) read last
+        self.since: dict[str, float] = {}  # worker -> wall time its stretches were read to
         self.busy_s = self.up_s = 0.0  # summed over the windows after the first reading
         self.first = True
+
+    async def read(self, client: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """This window's metrics and the workers' busy stretches as timeline spans
+        (`async_grpo.timeline`)."""
+        readings = await generation_clocks(client, self.since)
+        spans = [
+            {"lane": r["worker_id"], "what": "generate", "start": a, "end": b, "version": v}
+            for r in readings
+            for a, b, v in r["spans"]
+        ]
+        return self.add(readings), spans
 
     def add(self, clocks: list[dict[str, Any]]) -> dict[str, float]:
         busy = up = 0.0
@@ -188,15 +201,6 @@ async def generation_clocks(client: Any, since: dict[str, float]) -> list[dict[s
     return readings
 
 
-def generation_spans(readings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The workers' busy stretches as timeline spans (`async_grpo.timeline`)."""
-    return [
-        {"lane": r["worker_id"], "what": "generate", "start": a, "end": b, "version": v}
-        for r in readings
-        for a, b, v in r["spans"]
-    ]
-
-
 def samples_to_log(step: int, groups: list[list[ScoredSample]], cfg: Any) -> list[dict]:
     """Every `cfg.sample_every` steps, `cfg.samples_logged` samples spread over the step's
     groups (sample i from group i mod G, then the next sample of each), for samples.jsonl."""
@@ -209,3 +213,30 @@ def samples_to_log(step: int, groups: list[list[ScoredSample]], cfg: Any) -> lis
         if i // len(groups) < len(group):
             picked.append(group[i // len(groups)].to_log(step))
     return picked
+
+
+def lost_groups(step: int, stats: dict[str, float]) -> str | None:
+    """One line if groups of `step` were given up (every attempt failed), with the drops by
+    reason; None if every group arrived."""
+    missing = stats.get("samples/missing", 0)
+    if not missing:
+        return None
+    drops = ", ".join(
+        f"{k.removeprefix('dropped/')} {v:.0f}"
+        for k, v in sorted(stats.items())
+        if k.startswith("dropped/") and v
+    )
+    planned = stats.get("samples/planned", 0)
+    return (
+        f"generation: {missing:.0f}/{planned:.0f} samples of step {step + 1} never arrived"
+        f" (dropped samples by reason: {drops or 'none'}; see OUTPUT_DIR/logs/batcher.log)"
+    )
+
+
+def check_lost_groups(step: int, stats: dict[str, float], bound: float) -> str | None:
+    """`lost_groups`' line as a warning, or a UserError (exit 2) once the missing samples
+    reach `bound` (batcher.max_missing_fraction) of the step's planned samples."""
+    line = lost_groups(step, stats)
+    if line and stats.get("samples/missing", 0) >= bound * stats.get("samples/planned", 0):
+        raise UserError(f"{line}; stopping (batcher.max_missing_fraction={bound:g})")
+    return line

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from async_grpo.batcher.stats import check_lost_groups
 from async_grpo.batcher.types import EndOfBatch, PushNow
 from async_grpo.config import RunConfig
 from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask, summarize_metrics
@@ -388,33 +389,6 @@ class Trainer:
                 " stopping instead of training on zero rewards"
             )
         print(f"warning: {line}", file=sys.stderr, flush=True)
-
-
-def lost_groups(step: int, stats: dict[str, float]) -> str | None:
-    """One line if groups of `step` were given up (every attempt failed), with the drops by
-    reason; None if every group arrived."""
-    missing = stats.get("samples/missing", 0)
-    if not missing:
-        return None
-    drops = ", ".join(
-        f"{k.removeprefix('dropped/')} {v:.0f}"
-        for k, v in sorted(stats.items())
-        if k.startswith("dropped/") and v
-    )
-    planned = stats.get("samples/planned", 0)
-    return (
-        f"generation: {missing:.0f}/{planned:.0f} samples of step {step + 1} never arrived"
-        f" (dropped samples by reason: {drops or 'none'}; see OUTPUT_DIR/logs/batcher.log)"
-    )
-
-
-def check_lost_groups(step: int, stats: dict[str, float], bound: float) -> str | None:
-    """`lost_groups`' line as a warning, or a UserError (exit 2) once the missing samples
-    reach `bound` (batcher.max_missing_fraction) of the step's planned samples."""
-    line = lost_groups(step, stats)
-    if line and stats.get("samples/missing", 0) >= bound * stats.get("samples/planned", 0):
-        raise UserError(f"{line}; stopping (batcher.max_missing_fraction={bound:g})")
-    return line
 
 
 def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:

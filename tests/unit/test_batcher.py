@@ -342,8 +342,7 @@ def test_fixed_lag_pending_groups_replay_on_resume():
 
 
 def test_lost_groups_are_one_line_with_the_drops_by_reason():
-    from async_grpo.batcher.stats import ledger
-    from async_grpo.trainer.loop import lost_groups
+    from async_grpo.batcher.stats import ledger, lost_groups
 
     books = {
         "samples/planned": 8,
@@ -365,9 +364,8 @@ def test_lost_groups_are_one_line_with_the_drops_by_reason():
 def test_missing_samples_stop_the_run_at_the_configured_share(bound, stops):
     """4 of 8 samples never arrived: a warning line below `batcher.max_missing_fraction`
     of the step, a stop (exit 2) at it; by default only a step with nothing stops."""
-    from async_grpo.batcher.stats import ledger
+    from async_grpo.batcher.stats import check_lost_groups, ledger
     from async_grpo.errors import UserError
-    from async_grpo.trainer.loop import check_lost_groups
 
     stats = ledger(
         {

@@ -2,7 +2,7 @@
 
 import pytest
 
-from async_grpo.batcher.stats import BusyBooks
+from async_grpo.batcher.stats import PoolClock
 from async_grpo.inference import worker_base
 from async_grpo.inference.worker_base import BusyClock
 
@@ -34,7 +34,7 @@ def test_a_clock_counts_time_with_requests_and_not_paused(now):
 
 
 def test_windows_start_at_the_first_reading_and_follow_workers_that_come_and_go():
-    books = BusyBooks()
+    books = PoolClock()
     assert books.add([{"worker_id": "a", "busy_s": 10.0, "up_s": 40.0}]) == {}  # start-up
     out = books.add([{"worker_id": "a", "busy_s": 19.0, "up_s": 50.0}])
     assert out == {
