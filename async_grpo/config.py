@@ -104,6 +104,7 @@ class BatcherConfig:
         True  # equal-reward groups: counted, not run (exact if no KL/entropy)
     )
     max_missing_fraction: float = 1.0  # a step with this share of samples never arriving stops
+    spare_groups: int = 0  # extra groups per step; finished ones replace equal-reward groups
     curriculum: bool = False  # draw prompts by measured mastery (data/curriculum.py)
     curriculum_floor: float = 0.1  # draw weight of a prompt always or never solved (1.1: unseen)
     curriculum_pass: float = 1.0  # a sample passes (counts to mastery) at this reward or above
@@ -362,6 +363,15 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
             f" above batcher.max_off_policy_steps={b.max_off_policy_steps}; the run would stall"
+        )
+    if b.spare_groups < 0:
+        raise ConfigError(f"batcher.spare_groups: must be >= 0, got {b.spare_groups}")
+    if b.spare_groups and not (
+        b.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
+    ):
+        raise ConfigError(
+            "batcher.spare_groups: spares replace equal-reward groups, which are set aside only"
+            " with batcher.skip_zero_advantage on and trainer.loss.kl_coef and entropy_coef 0"
         )
     if b.curriculum_floor <= 0:
         raise ConfigError(f"batcher.curriculum_floor: must be > 0, got {b.curriculum_floor}")

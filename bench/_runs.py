@@ -38,3 +38,15 @@ def idle_summary(train: list[dict]) -> dict:
             train[-1].get("pool/generation/busy_fraction_run", -1), 4
         ),
     }
+
+
+def mean(rows: list[dict], key: str) -> float:
+    """The mean of `key` over the rows that have it (0 when none do), to 4 places."""
+    values = [r[key] for r in rows if key in r]
+    return round(sum(values) / len(values), 4) if values else 0.0
+
+
+def thirds(train: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """The first, middle and last thirds of a run's training rows."""
+    third = max(1, len(train) // 3)
+    return train[:third], train[third:-third], train[-third:]

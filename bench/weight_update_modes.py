@@ -17,19 +17,13 @@ import argparse
 import json
 from pathlib import Path
 
-from _runs import idle_summary, run
-
-
-def mean(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if key in r]
-    return round(sum(values) / len(values), 4) if values else 0.0
+from _runs import idle_summary, mean, run, thirds
 
 
 def one_run(config: str, steps: int, out: Path, mode: str) -> dict:
     off = ["eval.data=null", "sample_every=0", f"generation.weight_update={mode}"]
     wall, rows = run(config, steps, out, *off)
     train = [r for r in rows if "loss" in r]
-    third = max(1, len(train) // 3)
     return {
         "weight_update": mode,
         "steps": len(train),
@@ -40,10 +34,7 @@ def one_run(config: str, steps: int, out: Path, mode: str) -> dict:
         "staleness_mean": mean(train, "staleness/mean"),
         "staleness_token_mean": mean(train, "staleness/token_mean"),
         "mixed_version_samples": mean(train, "samples/mixed_versions"),
-        "reward_first_middle_last": [
-            mean(part, "reward/mean")
-            for part in (train[:third], train[third:-third], train[-third:])
-        ],
+        "reward_first_middle_last": [mean(part, "reward/mean") for part in thirds(train)],
     }
 
 

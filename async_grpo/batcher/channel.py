@@ -26,6 +26,7 @@ class Channel:
         self._weight = dict.fromkeys(keys, 0)
         self._changed = asyncio.Condition()
         self._closed = False
+        self._readers_waiting = 0  # get_batch calls blocked on an empty queue
 
     def _check_key(self, key: Any) -> None:
         if key not in self._queues:
@@ -60,6 +61,10 @@ class Channel:
         self._check_key(key)
         queue = self._queues[key]
         async with self._changed:
+            blocked = not (self._closed or queue)
+            if blocked:
+                self._readers_waiting += 1
+                self._changed.notify_all()
             try:
                 async with asyncio.timeout(timeout_s):
                     await self._changed.wait_for(lambda: self._closed or bool(queue))
@@ -67,6 +72,8 @@ class Channel:
                 raise TimeoutError(
                     f"no item for channel key {key!r} within {timeout_s:.0f}s"
                 ) from None
+            finally:
+                self._readers_waiting -= blocked
             if not queue:
                 raise ChannelClosed(f"channel closed (key {key!r})")
             items, total = [], 0
@@ -77,6 +84,12 @@ class Channel:
             self._weight[key] -= total
             self._changed.notify_all()
             return items
+
+    async def until_a_reader_waits(self) -> None:
+        """Return once some reader is blocked in `get_batch` on an empty queue (it needs
+        items now), or the channel is closed. No timeout here: the caller bounds the wait."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._closed or self._readers_waiting > 0)
 
     def queued(self, key: Any) -> int:
         return self._weight[key]

@@ -164,7 +164,9 @@ def test_smollm2_loop_runs(smollm2_dir, tmp_path):
 def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
     """`exact` never matches a Countdown answer: every group has equal rewards, so with no KL
     the batcher sends nothing (no forward/backward at all) and the trainer's counts still
-    agree with the batcher's."""
+    agree with the batcher's. Two spare groups a step cannot help (their rewards are equal
+    too, or they are cancelled in the engine when the step is packed): their samples are
+    counted unused and the books balance."""
     metrics = _run(
         tiny_model_dir,
         tmp_path / "flat",
@@ -172,11 +174,14 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
         "trainer.loss.kl_coef=0.0",
         "verifier.rewards=[exact]",
         "trainer.save_every=0",
+        "batcher.spare_groups=2",
     )
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["reward/mean"] == 0.0 and m["zero_advantage_fraction"] == 1.0
         assert m["skipped_samples"] == m["samples"] == 6
+        assert m["spare_groups_used"] == 0 and m["dropped/spare_unused"] == 12
+        assert m["samples/unaccounted"] == 0 and m["samples/requested"] == 18
         assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
         assert m["minibatches"] == 0  # a round empty on every rank is never run
 

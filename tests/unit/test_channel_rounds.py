@@ -75,3 +75,19 @@ def test_split_group_keeps_shared_units_within_the_budget():
     assert [i for u in units for i in u] == list(range(5))
     for u in units:
         assert packed_length(20, [lens[i] for i in u], True) <= 100
+
+
+def test_a_reader_blocked_on_an_empty_queue_is_seen_by_until_a_reader_waits():
+    async def main():
+        ch = Channel([0, 1], 100)
+        await ch.put(0, "a", 1, timeout_s=1)
+        await ch.get_batch(0, 1, timeout_s=1)  # not blocked: an item was there
+        waiter = asyncio.ensure_future(ch.until_a_reader_waits())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        reader = asyncio.ensure_future(ch.get_batch(1, 1, timeout_s=5))
+        await asyncio.wait_for(waiter, 1)  # rank 1 now waits on its empty queue
+        await ch.put(1, "b", 1, timeout_s=1)
+        assert await reader == ["b"]
+
+    asyncio.run(main())

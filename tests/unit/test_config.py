@@ -85,6 +85,7 @@ def test_int_is_accepted_for_float():
         ("generation.top_p=0.9", "generation.top_p: 0.9 makes vLLM report log-probs of the"),
         ("generation.top_p=0", "generation.top_p: must be in"),
         ("trainer.loss.proximal=old", "trainer.loss.proximal: expected one of"),
+        ("batcher.spare_groups=-1", "batcher.spare_groups: must be >= 0"),
     ],
 )
 def test_bad_configs_name_the_key(override, message):
@@ -114,3 +115,9 @@ def test_dtypes_default_to_auto_and_attention_checks_on_cuda():
     with pytest.raises(ConfigError, match="'flash' \\(varlen\\) cannot express"):
         load_config(None, on_cuda)
     assert load_config(None, on_cuda[:2]).trainer.attention == "flash"
+
+
+def test_spare_groups_need_equal_reward_groups_to_be_set_aside():
+    load_config(None, ["batcher.spare_groups=2"])  # the defaults set them aside
+    with pytest.raises(ConfigError, match="batcher.spare_groups: spares replace equal-reward"):
+        load_config(None, ["batcher.spare_groups=2", "trainer.loss.kl_coef=0.01"])

@@ -1,0 +1,112 @@
+"""Spare groups: a few extra groups per step that keep the generation pool working while a
+trainer-bound run would leave it idle, and that replace the step's equal-reward groups.
+
+An equal-reward group has all-zero advantages, so with no KL or entropy term it adds
+nothing to the gradient (the batcher sets it aside as skipped). With `batcher.spare_groups`
+= m, every step also starts m spare groups, drawn from a prompt order of their own and
+generated under the same policy version as the step's regular groups (so the staleness
+bound holds for them too). When the step is packed, each spare that has already finished
+with unequal rewards takes the place of one equal-reward group; the spares still running
+are cancelled. A push never waits for a spare; packing waits for them only until a trainer
+rank asks for the step's next minibatch, so the trainer waits only for the cancellations.
+Which spares are ready depends on timing, so a run with spares is not bit-reproducible; a
+resumed run trains a checkpointed step on its groups as they stood at the checkpoint (after
+the swap if the step was packed by then; a step not yet packed gets no spares).
+
+The books stay balanced: a spare's samples are requested like any others, and leave as
+trained, as `dropped/spare_unused` (finished with equal rewards, surplus, or cancelled), or
+as the drop of a failed attempt; a replaced group's samples leave as
+`dropped/replaced_by_spare`, and the spare fills its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from async_grpo.batcher.types import ScoredSample
+
+Group = list[ScoredSample]
+MAX_WAIT_S = 600.0  # the longest a step's packing waits on its spares
+
+
+class Spares:
+    """The spare-group tasks of the steps being generated, and the swap when one is packed."""
+
+    def __init__(self, per_step: int, group_size: int) -> None:
+        self.per_step, self.group_size = per_step, group_size
+        self._tasks: dict[int, list[asyncio.Task]] = {}
+
+    def start(
+        self,
+        step: int,
+        make: Callable[[int], Awaitable[Group | None]],
+        books: dict[str, float],
+    ) -> list[asyncio.Task]:
+        """Start `step`'s spares; `make(j)` makes spare j (one try, counting its own drops).
+        Returns the tasks, for the caller to cancel on stop."""
+
+        async def spare(j: int) -> Group | None:
+            try:
+                return await make(j)
+            except asyncio.CancelledError:  # packed before it finished
+                books["dropped/spare_unused"] += self.group_size
+                raise
+
+        loop = asyncio.get_running_loop()
+        self._tasks[step] = [loop.create_task(spare(j)) for j in range(self.per_step)]
+        return self._tasks[step]
+
+    async def use(
+        self,
+        step: int,
+        set_aside: list[Group],
+        books: dict[str, float],
+        slots: dict[int, Group | None],
+        needed: Callable[[], Awaitable[None]],
+        max_wait_s: float = MAX_WAIT_S,
+    ) -> tuple[list[Group], list[Group]]:
+        """Swap `step`'s equal-reward groups (`set_aside`) for its spares that finished with
+        unequal rewards, in spare order. When there is something to replace, the spares
+        still running get until `needed()` returns (a trainer rank is waiting for the
+        step's next minibatch) or they all finish; those still running then are cancelled
+        and waited for until they have counted themselves. `slots` (the step's groups by
+        slot, what a checkpoint keeps) follows the swap. Returns the replaced groups and the
+        spares in their places."""
+        tasks = self._tasks.pop(step, [])
+        running = [t for t in tasks if not t.done()]
+        if running and set_aside:
+            await _first_of(asyncio.wait(running), needed(), max_wait_s)
+            running = [t for t in tasks if not t.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+        ready: list[Group] = []
+        for task in tasks:
+            if task.cancelled():
+                continue  # counted by the spare itself
+            group = task.result()  # a spare's unexpected error fails the run, as a group's does
+            if group is None:  # a failed try: its drop is counted already
+                continue
+            unequal = any(s.advantage != 0.0 for s in group)
+            if task in running or not unequal or len(ready) == len(set_aside):
+                books["dropped/spare_unused"] += len(group)
+            else:
+                ready.append(group)
+        replaced = set_aside[: len(ready)]
+        for old, new in zip(replaced, ready, strict=True):
+            books["dropped/replaced_by_spare"] += len(old)
+            slot = next(k for k, g in slots.items() if g is old)
+            slots[slot] = new
+        return replaced, ready
+
+
+async def _first_of(a: Awaitable[object], b: Awaitable[object], timeout_s: float) -> None:
+    """Wait until `a` or `b` is done, or `timeout_s` has passed; cancel what is left."""
+    pending = {asyncio.ensure_future(a), asyncio.ensure_future(b)}
+    try:
+        await asyncio.wait(pending, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in pending:
+            task.cancel()
