@@ -39,7 +39,7 @@ import torch
 
 from async_grpo.batcher import stats as report
 from async_grpo.batcher.channel import Channel, ChannelClosed
-from async_grpo.batcher.rounds import fill_round, flat_units, split_group
+from async_grpo.batcher.rounds import fill_round, flat_units, group_units
 from async_grpo.batcher.single_turn import single_turn_group
 from async_grpo.batcher.spares import Spares
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample
@@ -75,10 +75,7 @@ class ExperienceBatcher:
             raise ValueError("ExperienceBatcher needs tokenized prompts (input_token_ids)")
         self.cfg, self.prompts, self.num_ranks = cfg, prompts, num_ranks
         self.sampler = PromptSampler(len(prompts), cfg.batcher.seed)
-        # spare groups draw from their own order, so the regular draws stay those of a run
-        # without spares (a negative seed: never one of a user's)
-        self.spare_sampler = PromptSampler(len(prompts), -1 - cfg.batcher.seed)
-        self.spares = Spares(cfg.batcher.spare_groups, cfg.batcher.samples_per_question)
+        self.spares = Spares(cfg.batcher, len(prompts))
         self.curriculum: Curriculum | None = None
         if cfg.batcher.curriculum:
             b = cfg.batcher
@@ -303,9 +300,8 @@ class ExperienceBatcher:
 
     async def _spare_group(self, step: int, j: int) -> list[ScoredSample] | None:
         """Spare group j of `step`: slot q + j, the spare order's draw step * m + j, one try."""
-        b = self.cfg.batcher
-        index = self.spare_sampler.index_at(step * b.spare_groups + j)
-        return await self._find_group(step, b.questions_per_step + j, index, attempts=1)
+        slot = self.cfg.batcher.questions_per_step + j
+        return await self._find_group(step, slot, self.spares.index(step, j), attempts=1)
 
     async def _find_group(
         self, step: int, slot: int, index: int, attempts: int = GROUP_ATTEMPTS
@@ -406,7 +402,7 @@ class ExperienceBatcher:
                 if self._skip_zero and all(s.advantage == 0.0 for s in group):
                     set_aside.append(group)
                     continue
-                buffer += self._units(group)
+                buffer += group_units(group, budget, b.share_prompts)
                 while (
                     bins := fill_round([self._tokens(u) for u in buffer], self.num_ranks, budget)
                 ) is not None:
@@ -422,7 +418,7 @@ class ExperienceBatcher:
                 self.channel.until_a_reader_waits,
             )
             for group in spares:
-                buffer += self._units(group)
+                buffer += group_units(group, budget, b.share_prompts)
             groups = [g for g in groups if all(g is not r for r in replaced)] + spares
             skipped = [s for g in set_aside if all(g is not r for r in replaced) for s in g]
             plan = plan_minibatches([self._tokens(u) for u in buffer], budget, self.num_ranks)
@@ -497,13 +493,6 @@ class ExperienceBatcher:
                 async with self._emitting:
                     for r in range(self.num_ranks):
                         await self.channel.put(r, PushNow(self.version), 1, timeout_s=3600)
-
-    def _units(self, group: list[ScoredSample]) -> list[list[ScoredSample]]:
-        """`group` cut into packing units: samples that go into one row together."""
-        b = self.cfg.batcher
-        lens = [len(s.completion_ids) for s in group]
-        units = split_group(len(group[0].prompt_ids), lens, b.max_tokens_per_gpu, b.share_prompts)
-        return [[group[i] for i in unit] for unit in units]
 
     def _tokens(self, samples: list[ScoredSample]) -> int:
         """Row tokens of `samples` once packed (prompts shared within a group when on)."""

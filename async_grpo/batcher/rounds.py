@@ -14,6 +14,15 @@ from async_grpo.core.packing import packed_length
 FILL_TARGET = 0.95
 
 
+def group_units(
+    group: list[ScoredSample], budget: int, share_prompts: bool
+) -> list[list[ScoredSample]]:
+    """`group` cut into packing units (`split_group`): samples that share one row."""
+    lens = [len(s.completion_ids) for s in group]
+    units = split_group(len(group[0].prompt_ids), lens, budget, share_prompts)
+    return [[group[i] for i in unit] for unit in units]
+
+
 def split_group(
     prompt_len: int, completion_lens: list[int], budget: int, share_prompts: bool
 ) -> list[list[int]]:

@@ -25,6 +25,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from async_grpo.batcher.types import ScoredSample
+from async_grpo.config import BatcherConfig
+from async_grpo.data import PromptSampler
 
 Group = list[ScoredSample]
 MAX_WAIT_S = 600.0  # the longest a step's packing waits on its spares
@@ -33,9 +35,16 @@ MAX_WAIT_S = 600.0  # the longest a step's packing waits on its spares
 class Spares:
     """The spare-group tasks of the steps being generated, and the swap when one is packed."""
 
-    def __init__(self, per_step: int, group_size: int) -> None:
-        self.per_step, self.group_size = per_step, group_size
+    def __init__(self, cfg: BatcherConfig, num_prompts: int) -> None:
+        self.per_step, self.group_size = cfg.spare_groups, cfg.samples_per_question
+        # their own prompt order, so the regular draws stay those of a run without spares
+        # (a negative seed: never one of a user's)
+        self.sampler = PromptSampler(num_prompts, -1 - cfg.seed)
         self._tasks: dict[int, list[asyncio.Task]] = {}
+
+    def index(self, step: int, j: int) -> int:
+        """The prompt of spare j of `step`: draw step * m + j of the spares' order."""
+        return self.sampler.index_at(step * self.per_step + j)
 
     def start(
         self,
