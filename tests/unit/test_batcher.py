@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from async_grpo.batcher import batcher as batcher_module
+from async_grpo.batcher import catch_up
 from async_grpo.batcher.batcher import ExperienceBatcher
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow
 from async_grpo.config import BatcherConfig, LossConfig, RunConfig, TrainerConfig
@@ -426,7 +426,7 @@ def test_a_worker_behind_the_version_makes_every_rank_push_once(monkeypatch):
     """A generation worker serving an older version than the batcher's: every rank gets one
     PushNow (at the same place in its stream), once per version however long it lags;
     `wait_generated` returns early only once no worker serves the current version."""
-    monkeypatch.setattr(batcher_module, "VERSION_CHECK_S", 0.02)
+    monkeypatch.setattr(catch_up, "VERSION_CHECK_S", 0.02)
 
     class Gated(ScriptedGeneration):  # step 0's four groups answer; later ones wait
         async def call(self, *args, **kwargs):

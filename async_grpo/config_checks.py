@@ -1,0 +1,208 @@
+"""Settings that parse but cannot run together, refused before anything starts.
+
+In: a `RunConfig` built by `config.from_dict`. Out: nothing, or `ConfigError` with one line
+naming the key, its value and what was expected (a run would hang or crash later).
+"""
+
+from __future__ import annotations
+
+from async_grpo.config import ConfigError, RunConfig
+
+
+def validate(cfg: RunConfig) -> None:
+    """Refuse configs that cannot run (they would hang or crash later)."""
+    g, b, t, v = cfg.generation, cfg.batcher, cfg.trainer, cfg.verifier
+    positive = {
+        "generation.num_workers": g.num_workers,
+        "generation.max_concurrent_seqs": g.max_concurrent_seqs,
+        "generation.max_new_tokens": g.max_new_tokens,
+        "logprob.num_workers": cfg.logprob.num_workers,
+        "verifier.num_workers": v.num_workers,
+        "verifier.timeout_s": v.timeout_s,
+        "batcher.questions_per_step": b.questions_per_step,
+        "batcher.samples_per_question": b.samples_per_question,
+        "batcher.max_tokens_per_gpu": b.max_tokens_per_gpu,
+        "trainer.num_ranks": t.num_ranks,
+        "trainer.max_steps": t.max_steps,
+        "trainer.lr": t.lr,
+        "trainer.push_every": t.push_every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"generation.top_p: must be in (0, 1], got {g.top_p}")
+    if g.top_p < 1:
+        raise ConfigError(
+            f"generation.top_p: {g.top_p} makes vLLM report log-probs of the top-p truncated"
+            " distribution, which the trainer does not score (the importance ratios would be"
+            " wrong); sample with top_p: 1.0"
+        )
+    if cfg.max_worker_restarts < 0:
+        raise ConfigError(f"max_worker_restarts: must be >= 0, got {cfg.max_worker_restarts}")
+    if b.max_off_policy_steps < 0:
+        raise ConfigError(
+            f"batcher.max_off_policy_steps: must be >= 0, got {b.max_off_policy_steps}"
+        )
+    if b.samples_per_question > g.max_concurrent_seqs:
+        raise ConfigError(
+            f"batcher.samples_per_question: {b.samples_per_question} exceeds"
+            f" generation.max_concurrent_seqs={g.max_concurrent_seqs}; a group could never be served"
+        )
+    if g.max_new_tokens >= g.max_model_len:
+        raise ConfigError(
+            f"generation.max_new_tokens: {g.max_new_tokens} leaves no room for a prompt"
+            f" in generation.max_model_len={g.max_model_len}"
+        )
+    if b.max_tokens_per_gpu < g.max_model_len:
+        raise ConfigError(
+            f"batcher.max_tokens_per_gpu: {b.max_tokens_per_gpu} is below generation.max_model_len="
+            f"{g.max_model_len}; a full-length sample could never be packed"
+        )
+    if b.max_off_policy_steps < t.push_every - 1:
+        raise ConfigError(
+            f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
+            f" above batcher.max_off_policy_steps={b.max_off_policy_steps}; the run would stall"
+        )
+    if b.spare_groups < 0:
+        raise ConfigError(f"batcher.spare_groups: must be >= 0, got {b.spare_groups}")
+    if b.spare_groups and not (
+        b.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
+    ):
+        raise ConfigError(
+            "batcher.spare_groups: spares replace equal-reward groups, which are set aside only"
+            " with batcher.skip_zero_advantage on and trainer.loss.kl_coef and entropy_coef 0"
+        )
+    if b.curriculum_floor <= 0:
+        raise ConfigError(f"batcher.curriculum_floor: must be > 0, got {b.curriculum_floor}")
+    if not 0 < b.max_missing_fraction <= 1:
+        raise ConfigError(
+            f"batcher.max_missing_fraction: must be in (0, 1], got {b.max_missing_fraction}"
+        )
+    if not 0 < v.max_error_fraction <= 1:
+        raise ConfigError(
+            f"verifier.max_error_fraction: must be in (0, 1], got {v.max_error_fraction}"
+        )
+    if v.combine == "weighted":
+        missing = [r for r in v.rewards if r not in v.weights]
+        if missing:
+            raise ConfigError(f"verifier.weights: no weight for reward {missing[0]!r}")
+    if not v.rewards:
+        raise ConfigError("verifier.rewards: at least one reward is required")
+    if t.device == "cpu" and t.attention in ("flex", "flash"):
+        raise ConfigError(
+            f"trainer.attention: {t.attention!r} cannot train on CPU"
+            " (flash-attn needs CUDA; PyTorch has no flex_attention backward on CPU); use auto"
+        )
+    if (t.weight_transport, t.device) in (("cuda_ipc", "cpu"), ("shm", "cuda")):
+        raise ConfigError(
+            f"trainer.weight_transport: {t.weight_transport!r} cannot carry weights from a"
+            f" trainer on {t.device}; use auto or broadcast"
+        )
+    if t.device == "cpu" and cfg.logprob.attention == "flash":
+        raise ConfigError("logprob.attention: 'flash' needs CUDA; use auto, sdpa or flex")
+    if t.attention == "flash" and b.share_prompts:
+        raise ConfigError(
+            "trainer.attention: 'flash' (varlen) cannot express batcher.share_prompts;"
+            " use flex or auto"
+        )
+    validate_environment(cfg)
+    validate_eval(cfg)
+    loss = t.loss
+    if not (0 <= loss.clip_low < 1) or loss.clip_high < 0:
+        raise ConfigError(
+            f"trainer.loss.clip_low/clip_high: bad bounds {loss.clip_low}/{loss.clip_high}"
+        )
+    if loss.dual_clip is not None and loss.dual_clip <= 1:
+        raise ConfigError(f"trainer.loss.dual_clip: must be > 1, got {loss.dual_clip}")
+    if loss.tis_cap is not None and loss.tis_cap <= 0:
+        raise ConfigError(f"trainer.loss.tis_cap: must be > 0, got {loss.tis_cap}")
+    if loss.temperature != g.temperature:
+        raise ConfigError(
+            f"trainer.loss.temperature: {loss.temperature} differs from generation.temperature="
+            f"{g.temperature}; the trainer's log-probs would not match the sampler's"
+        )
+
+
+def validate_environment(cfg: RunConfig) -> None:
+    """An environment run: the names resolve, a group fits a worker, an episode fits the
+    context."""
+    e, g, b = cfg.environment, cfg.generation, cfg.batcher
+    if e.name is None:
+        if e.url:
+            raise ConfigError("environment.url: set environment.name too (what the server runs)")
+        return
+    from async_grpo.environments import get_environment
+
+    declared = get_environment(e.name)  # an unknown name is refused here, not in a worker
+    for key in ("num_workers", "capacity", "max_observation_tokens", "step_timeout_s"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"environment.{key}: must be > 0, got {getattr(e, key)}")
+    if b.samples_per_question > e.capacity:
+        raise ConfigError(
+            f"batcher.samples_per_question: {b.samples_per_question} exceeds"
+            f" environment.capacity={e.capacity}; a group's episodes could never be acquired"
+        )
+    turns = e.max_turns or declared.max_turns
+    budget = e.max_episode_tokens or declared.max_episode_tokens
+    if turns < 1 or budget < 1:
+        raise ConfigError(
+            f"environment.max_turns/max_episode_tokens: must be >= 1, got {turns}/{budget}"
+        )
+    if budget >= g.max_model_len:
+        raise ConfigError(
+            f"environment.max_episode_tokens: {budget} leaves no room for a prompt in"
+            f" generation.max_model_len={g.max_model_len}"
+        )
+
+
+def validate_eval(cfg: RunConfig) -> None:
+    """Evaluation settings that could not run, and hooks without a class."""
+    e = cfg.eval
+    for i, h in enumerate(cfg.hooks):
+        if ":" not in h.path:
+            raise ConfigError(f"hooks[{i}].path: expected module:Class, got {h.path!r}")
+    if cfg.sample_every < 0 or cfg.samples_logged < 0:
+        raise ConfigError("sample_every/samples_logged: must be >= 0")
+    if e.data is None:
+        return
+    for key in ("every", "samples_per_question", "max_concurrent_seqs", "timeout_s"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"eval.{key}: must be > 0, got {getattr(e, key)}")
+    if e.max_questions is not None and e.max_questions <= 0:
+        raise ConfigError(f"eval.max_questions: must be > 0, got {e.max_questions}")
+    if e.every % cfg.trainer.push_every:
+        raise ConfigError(
+            f"eval.every: {e.every} is not a multiple of trainer.push_every="
+            f"{cfg.trainer.push_every}; only pushed versions reach the generation pool"
+        )
+    if e.samples_per_question > cfg.generation.max_concurrent_seqs:
+        raise ConfigError(
+            f"eval.samples_per_question: {e.samples_per_question} exceeds"
+            f" generation.max_concurrent_seqs={cfg.generation.max_concurrent_seqs}"
+        )
+    bad = [k for k in e.pass_k if not 1 <= k <= e.samples_per_question]
+    if bad or not e.pass_k:
+        raise ConfigError(
+            f"eval.pass_k: each k must be in 1..eval.samples_per_question="
+            f"{e.samples_per_question}, got {e.pass_k}"
+        )
+    if e.temperature < 0:
+        raise ConfigError(f"eval.temperature: must be >= 0, got {e.temperature}")
+    if e.temperature == 0 and e.samples_per_question > 1:
+        raise ConfigError(
+            f"eval.samples_per_question: {e.samples_per_question} greedy samples are all the"
+            " same; use eval.temperature > 0 for pass@k"
+        )
+    n = e.max_new_tokens
+    if n is not None and not 0 < n < cfg.generation.max_model_len:
+        raise ConfigError(
+            f"eval.max_new_tokens: must be in 1..{cfg.generation.max_model_len - 1}, got {n}"
+        )
+    if e.rewards is not None and not e.rewards:
+        raise ConfigError("eval.rewards: name at least one reward, or leave it out")
+    if cfg.environment.name is not None:
+        raise ConfigError(
+            "eval.data: held-out evaluation scores single-turn completions with the verifier"
+            " pool; it does not run environment episodes yet"
+        )
