@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from async_grpo.trainer.loop import IDLE_KEYS
@@ -50,3 +52,47 @@ def thirds(train: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
     """The first, middle and last thirds of a run's training rows."""
     third = max(1, len(train) // 3)
     return train[:third], train[third:-third], train[-third:]
+
+
+def train_rows(config: str, steps: int, out: Path, setting: str) -> tuple[float, list[dict]]:
+    """`run` with evaluation and sample logs off and one `key=value` setting; returns the
+    wall seconds and the training rows (evaluation rows left out)."""
+    wall, rows = run(config, steps, out, "eval.data=null", "sample_every=0", setting)
+    return wall, [r for r in rows if "loss" in r]
+
+
+def summary(wall: float, train: list[dict]) -> dict:
+    """What every run-level bench reports: steps, wall time, idle and busy shares, and the
+    mean reward over the first, middle and last steps with the elapsed time at each end."""
+    parts = thirds(train)
+    return {
+        "steps": len(train),
+        "wall_s": round(wall, 1),
+        **idle_summary(train),
+        "reward_first_middle_last": [mean(part, "reward/mean") for part in parts],
+        "elapsed_at_thirds_s": [round(part[-1]["time/elapsed"], 1) for part in parts],
+    }
+
+
+def sweep(
+    doc: str,
+    flag: str,
+    values: str,
+    steps: int,
+    out: str,
+    one_run: Callable[[str, int, Path, str], dict],
+) -> None:
+    """A bench's command line: --config, --steps, --out and --`flag` (comma-separated
+    values, `values` by default); one run per value into OUT/`flag`-VALUE, each printed as
+    a JSON line naming this CPU's kind."""
+    from async_grpo.precision import cpu_kind
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--config", default="configs/arithmetic.yaml")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--out", default=out)
+    p.add_argument(f"--{flag}", default=values)
+    args = p.parse_args()
+    for value in getattr(args, flag).split(","):
+        fig = one_run(args.config, args.steps, Path(args.out) / f"{flag}-{value}", value)
+        print(json.dumps({"cpu": cpu_kind(), **fig}), flush=True)

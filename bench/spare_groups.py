@@ -12,44 +12,21 @@ with the wall time at which each third ended.
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
-from _runs import idle_summary, mean, run, thirds
+from _runs import summary, sweep, train_rows
 
 
-def one_run(config: str, steps: int, out: Path, spares: int) -> dict:
-    off = ["eval.data=null", "sample_every=0", f"batcher.spare_groups={spares}"]
-    wall, rows = run(config, steps, out, *off)
-    train = [r for r in rows if "loss" in r]
-    parts = thirds(train)
+def one_run(config: str, steps: int, out: Path, spares: str) -> dict:
+    wall, train = train_rows(config, steps, out, f"batcher.spare_groups={spares}")
     return {
-        "spare_groups": spares,
-        "steps": len(train),
-        "wall_s": round(wall, 1),
-        **idle_summary(train),
+        "spare_groups": int(spares),
+        **summary(wall, train),
         "spares_used": sum(r.get("spare_groups_used", 0.0) for r in train),
         "skipped_samples": sum(r.get("skipped_samples", 0.0) for r in train),
         "trained_samples": sum(r.get("samples/trained", 0.0) for r in train),
-        "reward_first_middle_last": [mean(part, "reward/mean") for part in parts],
-        "elapsed_at_thirds_s": [round(part[-1]["time/elapsed"], 1) for part in parts],
     }
 
 
-def main() -> None:
-    from async_grpo.precision import cpu_kind
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/arithmetic.yaml")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", default="outputs/bench-spare-groups")
-    p.add_argument("--spares", default="0,4")
-    args = p.parse_args()
-    for spares in (int(x) for x in args.spares.split(",")):
-        fig = one_run(args.config, args.steps, Path(args.out) / f"spares{spares}", spares)
-        print(json.dumps({"cpu": cpu_kind(), **fig}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    sweep(__doc__, "spares", "0,4", 20, "outputs/bench-spare-groups", one_run)

@@ -13,44 +13,23 @@ tokens came from two versions, and the mean reward over the first, middle and la
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
-from _runs import idle_summary, mean, run, thirds
+from _runs import mean, summary, sweep, train_rows
 
 
 def one_run(config: str, steps: int, out: Path, mode: str) -> dict:
-    off = ["eval.data=null", "sample_every=0", f"generation.weight_update={mode}"]
-    wall, rows = run(config, steps, out, *off)
-    train = [r for r in rows if "loss" in r]
+    wall, train = train_rows(config, steps, out, f"generation.weight_update={mode}")
     return {
         "weight_update": mode,
-        "steps": len(train),
-        "wall_s": round(wall, 1),
-        **idle_summary(train),
+        **summary(wall, train),
         "push_s": round(sum(r.get("time/weight_push", 0.0) for r in train), 1),
         "pause_s": round(sum(r.get("time/weight_drain", 0.0) for r in train), 1),
         "staleness_mean": mean(train, "staleness/mean"),
         "staleness_token_mean": mean(train, "staleness/token_mean"),
         "mixed_version_samples": mean(train, "samples/mixed_versions"),
-        "reward_first_middle_last": [mean(part, "reward/mean") for part in thirds(train)],
     }
 
 
-def main() -> None:
-    from async_grpo.precision import cpu_kind
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/arithmetic.yaml")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", default="outputs/bench-weight-update")
-    p.add_argument("--modes", default="wait,in_flight")
-    args = p.parse_args()
-    for mode in args.modes.split(","):
-        fig = one_run(args.config, args.steps, Path(args.out) / mode, mode)
-        print(json.dumps({"cpu": cpu_kind(), **fig}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    sweep(__doc__, "modes", "wait,in_flight", 20, "outputs/bench-weight-update", one_run)
