@@ -212,7 +212,9 @@ class WeightPusher:
         else: a member blocked receiving from rank 0 waits for the group's timeout unless
         rank 0's connections close, and they close only when the last reference to the
         group and to its pending broadcasts is gone. Then the dead are found among the
-        chunk's loads, and GroupBroken is raised."""
+        chunk's loads, and GroupBroken is raised. The same happens when rank 0's broadcast
+        completed but a member died before loading: gloo may relay the bytes through that
+        member, so the others could be left waiting for them."""
         refs, work, k = in_slot[s]
         in_slot[s] = None
         if work is None:
@@ -225,12 +227,16 @@ class WeightPusher:
             failed = f"the broadcast of chunk {k} failed ({e})"
         del work
         if failed is None:
-            self._wait(refs, f"load weight chunk {k}")
-            return
+            try:
+                self._wait(refs, f"load weight chunk {k}", stop_on_broken=True)
+                return
+            except GroupBroken as e:  # rank 0's sends went out, but a member that relays
+                failed = str(e)  # them to others died: they wait until the group closes
         in_slot[:] = [None, None]  # the other slot's broadcast, if any, goes too
         self.group.close()
         self.group = None
-        self._wait(refs, f"load weight chunk {k}", allow_lost=True)  # who it was
+        alive = {w: r for w, r in refs.items() if w not in self.lost}
+        self._wait(alive, f"load weight chunk {k}", allow_lost=True)  # who it was
         raise GroupBroken(failed)
 
     def _live_workers(self) -> dict[str, Any]:
@@ -333,20 +339,30 @@ class WeightPusher:
             return "cpu"
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
-    def _wait(self, refs: dict[str, Any], what: str, allow_lost: bool = False) -> dict[str, Any]:
+    def _wait(
+        self,
+        refs: dict[str, Any],
+        what: str,
+        allow_lost: bool = False,
+        stop_on_broken: bool = False,
+    ) -> dict[str, Any]:
         """Each worker's answer; a worker that died meanwhile is dropped (`_lose`) and has
-        none. GroupBroken if it was in the broadcast group (unless `allow_lost`)."""
+        none. GroupBroken if it was in the broadcast group (unless `allow_lost`): at once,
+        without waiting for the others, with `stop_on_broken`."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        ready, pending = ray.wait(
-            list(refs.values()), num_returns=len(refs), timeout=self.timeout_s
-        )
-        if pending:
-            late = [wid for wid, r in refs.items() if r in pending]
-            raise TimeoutError(f"workers {late} did not {what} within {self.timeout_s:.0f}s")
+        owner = {ref: wid for wid, ref in refs.items()}
+        pending, deadline = list(refs.values()), time.monotonic() + self.timeout_s
         answers, broken = {}, []
-        for wid, ref in refs.items():
+        while pending:
+            left = max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                late = [owner[r] for r in pending]
+                raise TimeoutError(f"workers {late} did not {what} within {self.timeout_s:.0f}s")
+            (ref,) = ready
+            wid = owner[ref]
             try:
                 answers[wid] = ray.get(ref)
             except RayActorError:
@@ -357,6 +373,8 @@ class WeightPusher:
                     raise
                 # a survivor of a broken group: its receive failed with the group; it is
                 # paused mid-update and takes the push again
+            if broken and stop_on_broken and not allow_lost:
+                break
         if broken and not allow_lost:
             raise GroupBroken(f"broadcast member(s) {broken} died while asked to {what}")
         return answers
