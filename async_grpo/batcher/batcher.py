@@ -142,6 +142,7 @@ class ExperienceBatcher:
             self.books,
             self.score_failures,
             self.score_spans,
+            self._kl,
         )
         await self.clock.read(self._clients["generation"])  # the window starts here
         self._version_changed = asyncio.Condition()

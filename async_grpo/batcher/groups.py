@@ -37,6 +37,7 @@ class GroupMaker:
     books: dict[int, dict[str, float]]
     score_failures: dict[int, list[Any]]
     score_spans: dict[int, list[dict]]
+    kl: bool  # the KL penalty is on: each group gets reference log-probs
 
     async def find(
         self, step: int, slot: int, index: int, attempts: int = GROUP_ATTEMPTS
@@ -107,7 +108,7 @@ class GroupMaker:
         rewards = torch.tensor([s.reward for s in group], dtype=torch.float32)  # [n]
         adv, _ = group_advantages(rewards, self.cfg.trainer.loss.advantage_std_norm)
         refs: list[Any] = [None] * n
-        if self.cfg.trainer.loss.kl_coef > 0:
+        if self.kl:
             refs = await self.clients["logprob"].call(
                 n,
                 "logprobs",
