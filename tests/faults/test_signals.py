@@ -26,7 +26,9 @@ pytestmark = pytest.mark.faults
     [
         (signal.SIGINT, 130, "interrupted: stopping"),
         (signal.SIGTERM, 143, "stopped by SIGTERM: stopping"),
-        (signal.SIGHUP, 129, "stopped by SIGHUP: stopping"),
+        pytest.param(  # the SIGTERM handler, another number: kept for the slow run
+            signal.SIGHUP, 129, "stopped by SIGHUP: stopping", marks=pytest.mark.slow
+        ),
         (signal.SIGKILL, -9, ""),
     ],
     ids=lambda v: v.name if isinstance(v, signal.Signals) else "",

@@ -27,7 +27,11 @@ def _verifier_pids() -> set[int]:
     return found
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig",
+    [pytest.param(signal.SIGHUP, marks=pytest.mark.slow), signal.SIGTERM],  # one handler
+    ids=lambda s: s.name,
+)
 def test_a_worker_command_replaces_the_dead_and_stops_on_a_signal(ray_head, sig):
     address, env = ray_head
     before = _verifier_pids()

@@ -151,6 +151,7 @@ def test_eval_command_on_a_checkpoint_folder(run_with_eval, tmp_path):
     assert "eval/pass_at_2" in stdout
 
 
+@pytest.mark.slow
 def test_eval_command_on_smollm2(tmp_path):
     stdout, summary, samples = _eval(
         "smollm2-135m",
