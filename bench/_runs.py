@@ -54,10 +54,16 @@ def thirds(train: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
     return train[:third], train[third:-third], train[-third:]
 
 
+EXTRA_SETTINGS: list[str] = []  # `--set` values of the bench's command line, for every run
+
+
 def train_rows(config: str, steps: int, out: Path, setting: str) -> tuple[float, list[dict]]:
-    """`run` with evaluation and sample logs off and one `key=value` setting; returns the
-    wall seconds and the training rows (evaluation rows left out)."""
-    wall, rows = run(config, steps, out, "eval.data=null", "sample_every=0", setting)
+    """`run` with evaluation and sample logs off, one `key=value` setting and the bench's
+    `--set` settings; returns the wall seconds and the training rows (evaluation rows
+    left out)."""
+    wall, rows = run(
+        config, steps, out, "eval.data=null", "sample_every=0", setting, *EXTRA_SETTINGS
+    )
     return wall, [r for r in rows if "loss" in r]
 
 
@@ -82,9 +88,10 @@ def sweep(
     out: str,
     one_run: Callable[[str, int, Path, str], dict],
 ) -> None:
-    """A bench's command line: --config, --steps, --out and --`flag` (comma-separated
-    values, `values` by default); one run per value into OUT/`flag`-VALUE, each printed as
-    a JSON line naming this CPU's kind."""
+    """A bench's command line: --config, --steps, --out, --`flag` (comma-separated
+    values, `values` by default) and --set KEY=VALUE (repeatable, applied to every run);
+    one run per value into OUT/`flag`-VALUE, each printed as a JSON line naming this CPU's
+    kind and the --set settings."""
     from async_grpo.precision import cpu_kind
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -92,7 +99,9 @@ def sweep(
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--out", default=out)
     p.add_argument(f"--{flag}", default=values)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
+    EXTRA_SETTINGS[:] = args.set
     for value in getattr(args, flag).split(","):
         fig = one_run(args.config, args.steps, Path(args.out) / f"{flag}-{value}", value)
-        print(json.dumps({"cpu": cpu_kind(), **fig}), flush=True)
+        print(json.dumps({"cpu": cpu_kind(), **fig, "settings": args.set}), flush=True)
