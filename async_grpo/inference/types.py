@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# tells a CPU engine's worker process `generation.cpu_linear` (read by vllm_ext at import)
+CPU_LINEAR_ENV = "ASYNC_GRPO_CPU_LINEAR"
+
 
 class RequestError(Exception):
     """A request that fails by itself (bad input); the worker stays up and is not retried."""

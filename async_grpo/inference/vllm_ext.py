@@ -8,10 +8,16 @@ worker (broadcast group, shared memory or CUDA IPC; see async_grpo.transports) a
 the tensors to vLLM's layerwise reload, which shards, repacks (CPU) and processes each
 layer as soon as its last tensor arrives. Imported in the engine's worker process through
 `worker_extension_cls`, which is how the registration reaches that process.
+
+With `generation.cpu_linear: torch` a CPU engine keeps plain linear layers (vLLM falls back
+to `torch.nn.functional.linear` when oneDNN is switched off before the model loads), so
+nothing is repacked and every weight stays in place: an update is then vLLM's loader
+writing into those weights, without the layerwise rebuild.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +29,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from async_grpo.inference.types import CPU_LINEAR_ENV
 from async_grpo.transports.base import TensorMeta, unpack
 from async_grpo.transports.select import open_receiver
 
 BACKEND = "async_grpo"
+PLAIN_LINEAR = os.environ.get(CPU_LINEAR_ENV) == "torch"
 
 
 @dataclass
@@ -53,6 +61,7 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.receiver: Any = None
+        self._in_place: bool | None = None  # decided at the first update
 
     def init_transfer_engine(self, init_info: TransportInit) -> None:
         self.shutdown()
@@ -64,7 +73,10 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        if self._in_place is None:
+            self._in_place = PLAIN_LINEAR and _all_weights_kept(self.model)
+        if not self._in_place:
+            initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -76,18 +88,40 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
             raise RuntimeError("weight chunk received before init_weight_transfer_engine")
         flat = self.receiver.chunk(update_info.slot, update_info.nbytes)
         metas = [TensorMeta(n, tuple(s), d) for n, s, d in update_info.metas]
-        self.model.load_weights(unpack(flat, metas))
-        _own_pending(flat)
+        tensors = unpack(flat, metas)
+        if self._in_place and self.model_config.hf_config.tie_word_embeddings:
+            # a tied head is the embedding's own tensor here (no repacked copy to refresh),
+            # and vLLM refuses a chunk that holds the head without the embedding
+            tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
+        self.model.load_weights(tensors)
+        if not self._in_place:
+            _own_pending(flat)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if not self._in_place:
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
+
+
+def _all_weights_kept(model: torch.nn.Module) -> bool:
+    """Whether every weight is still a plain tensor of the model (nothing repacked away), so
+    writing new values into it is the whole update. A model with a quantized or otherwise
+    processed layer keeps the layerwise reload."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and "Unquantized" not in type(method).__name__:
+            return False
+        if isinstance(method, UnquantizedLinearMethod) and module.weight.numel() == 0:
+            return False  # repacked: vLLM dropped the weight
+    return True
 
 
 def _own_pending(flat: torch.Tensor) -> None:
@@ -107,14 +141,25 @@ def _own_pending(flat: torch.Tensor) -> None:
 
 
 def register() -> None:
-    """Make backend "async_grpo" known to vLLM in this process (idempotent)."""
+    """Make backend "async_grpo" known to vLLM in this process (idempotent); with
+    `generation.cpu_linear: torch`, keep oneDNN from repacking the linear layers."""
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, AsyncGrpoTransferEngine)
+    if PLAIN_LINEAR:
+        import vllm._custom_ops as ops
+
+        ops._supports_onednn = False  # read when each linear layer is set up
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): importing this module is what
     registers the engine in the worker process; `self` is vLLM's worker at run time."""
+
+    def async_grpo_reload_kind(self) -> str:
+        """How this engine takes an update: "in_place" (plain weights written where they
+        are) or "layerwise" (vLLM rebuilds, loads and processes each layer)."""
+        model = self.model_runner.get_model()
+        return "in_place" if PLAIN_LINEAR and _all_weights_kept(model) else "layerwise"
 
     def async_grpo_load_dir(self, hf_dir: str) -> int:
         """Reload every tensor of a Hugging Face folder in place; returns tensors loaded.

@@ -2,7 +2,8 @@
 
 Two fp32 SmolLM2 engines: one takes pushes by shared memory (it shares the trainer's node),
 one asks for the broadcast group (`generation.weight_transport: broadcast`), so one push
-reaches a mixed set. The "trainer" is this process: a `WeightPusher` over a plain
+reaches a mixed set. The second also keeps plain linear layers (`generation.cpu_linear:
+torch`), which a push writes in place, so every check below holds for both kinds. The "trainer" is this process: a `WeightPusher` over a plain
 (unsharded) copy of the model, the same class rank 0 runs under torchrun.
 """
 
@@ -54,7 +55,7 @@ def workers(cluster, smollm2_dir):
     from async_grpo.inference.launch import start_generation_workers, stop_workers
 
     (near,) = start_generation_workers(str(smollm2_dir), CFG, 1)
-    far_cfg = dataclasses.replace(CFG, weight_transport="broadcast")
+    far_cfg = dataclasses.replace(CFG, weight_transport="broadcast", cpu_linear="torch")
     (far,) = start_generation_workers(str(smollm2_dir), far_cfg, 1)
     yield near, far
     stop_workers([near, far], drain_timeout_s=5)
@@ -138,9 +139,9 @@ def test_one_push_reaches_a_mixed_set(workers, pusher, policy, prompt, tmp_path,
     hf = _scored(policy, prompt, a.token_ids)
     assert (hf - torch.tensor(a.logprobs)).abs().max() < 1e-3
 
-    for w in workers:
-        p = ray.get(w.ping.remote())
-        assert p["prefix_reset_failures"] == 0 and p["version"] == 3
+    pings = [ray.get(w.ping.remote()) for w in workers]
+    assert all(p["prefix_reset_failures"] == 0 and p["version"] == 3 for p in pings)
+    assert [p["weight_reload"] for p in pings] == ["layerwise", "in_place"]  # oneDNN, torch
 
 
 def test_status_and_ping_report_each_transport(workers, pusher):
