@@ -3,7 +3,8 @@
 Two fp32 SmolLM2 engines: one takes pushes by shared memory (it shares the trainer's node),
 one asks for the broadcast group (`generation.weight_transport: broadcast`), so one push
 reaches a mixed set. The second also keeps plain linear layers (`generation.cpu_linear:
-torch`), which a push writes in place, so every check below holds for both kinds. The "trainer" is this process: a `WeightPusher` over a plain
+torch`), which a push writes in place: the mixed-set push checks both reload kinds, and
+that engine takes every later push here. The "trainer" is this process: a `WeightPusher` over a plain
 (unsharded) copy of the model, the same class rank 0 runs under torchrun.
 """
 
