@@ -61,7 +61,7 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.receiver: Any = None
-        self._in_place: bool | None = None  # decided at the first update
+        self._in_place = False  # this update writes into the weights where they are
 
     def init_transfer_engine(self, init_info: TransportInit) -> None:
         self.shutdown()
@@ -73,8 +73,7 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        if self._in_place is None:
-            self._in_place = PLAIN_LINEAR and _all_weights_kept(self.model)
+        self._in_place = reloads_in_place(self.model)
         if not self._in_place:
             initialize_layerwise_reload(self.model)
 
@@ -109,12 +108,14 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
             self.receiver = None
 
 
-def _all_weights_kept(model: torch.nn.Module) -> bool:
-    """Whether every weight is still a plain tensor of the model (nothing repacked away), so
-    writing new values into it is the whole update. A model with a quantized or otherwise
-    processed layer keeps the layerwise reload."""
+def reloads_in_place(model: torch.nn.Module) -> bool:
+    """Whether an update writes into the weights where they are: plain linear layers were
+    asked for and every weight is still a plain tensor of the model (nothing repacked away).
+    A model with a quantized or otherwise processed layer keeps the layerwise reload."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+    if not PLAIN_LINEAR:
+        return False
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and "Unquantized" not in type(method).__name__:
@@ -158,8 +159,7 @@ class WeightSyncExtension:
     def async_grpo_reload_kind(self) -> str:
         """How this engine takes an update: "in_place" (plain weights written where they
         are) or "layerwise" (vLLM rebuilds, loads and processes each layer)."""
-        model = self.model_runner.get_model()
-        return "in_place" if PLAIN_LINEAR and _all_weights_kept(model) else "layerwise"
+        return "in_place" if reloads_in_place(self.model_runner.get_model()) else "layerwise"
 
     def async_grpo_load_dir(self, hf_dir: str) -> int:
         """Reload every tensor of a Hugging Face folder in place; returns tensors loaded.
