@@ -17,13 +17,32 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from async_grpo.config import RunConfig
 from async_grpo.errors import EXIT_FILE_ENV
+from async_grpo.transports.shm import RUN_ID_ENV, remove_weight_files, weight_file_pattern
 
 HEAD_START_TIMEOUT_S = 120.0
+POOL_ORDER = ("verifier", "environment", "logprob", "generation")  # quickest first
+# `async-grpo run` starts its ranks while its pools start; a rank waits for this file
+POOLS_READY_ENV = "ASYNC_GRPO_POOLS_READY"
+POOLS_READY_TIMEOUT_S = 1800.0  # longer than any pool's start timeout: the run gives up first
+
+
+def wait_for_pools(timeout_s: float = POOLS_READY_TIMEOUT_S) -> None:
+    """In a rank started by `async-grpo run`: wait until the run's pools are up (no wait
+    for a rank started by hand, whose pools were started before it)."""
+    ready = os.environ.get(POOLS_READY_ENV)
+    if not ready:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(ready):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the pools of `async-grpo run` were not up within {timeout_s:.0f}s")
+        time.sleep(0.2)
 
 
 def _free_port() -> int:
@@ -76,16 +95,22 @@ for pid in doomed:
             kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+import glob
+for path in glob.glob(sys.argv[1]):  # the run's weight files (its ranks cannot remove them)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 """
 
 
 class Watchdog:
     """Kills the named processes, their descendants and their groups once this process is
-    gone, however it ended."""
+    gone, however it ended, then removes the files matching `leftovers` (a glob)."""
 
-    def __init__(self) -> None:
+    def __init__(self, leftovers: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WATCHDOG],
+            [sys.executable, "-c", WATCHDOG, leftovers],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -149,11 +174,25 @@ class LocalHead:
     def stop(self) -> None:
         """Kill the whole private cluster at once. A SIGTERM to `ray start --block` took ~33 s
         to wind down processes whose state dies with this run anyway; every process of the
-        cluster is in this process group (tests/integration/test_run_interrupt.py)."""
+        cluster is in this process group (tests/faults/test_signals.py)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _pools_started(starting: dict[str, Any], trainer: subprocess.Popen) -> bool:
+    """Wait for each pool's workers to start; False if the trainer ended first (its exit
+    code is then the run's). A pool that fails or times out raises, naming itself."""
+    for pending in starting.values():
+        deadline = time.monotonic() + pending.timeout_s
+        while not pending.done(timeout_s=1.0):
+            if trainer.poll() is not None:
+                return False
+            if time.monotonic() > deadline:
+                break  # wait() raises the timeout
+        pending.wait(timeout_s=1.0)
+    return trainer.poll() is None
 
 
 def torchrun_command(
@@ -210,7 +249,9 @@ def run_local(
 
         held_out_prompts(cfg, model_dir)
     head: LocalHead | None = None
-    watchdog = Watchdog()  # a `run` killed outright leaves no head and no ranks behind
+    run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:8]  # a test may name it
+    # a `run` killed outright leaves no head, no ranks and no weight files behind
+    watchdog = Watchdog(weight_file_pattern(run_id))
     supervisor = PoolSupervisor(cfg.max_worker_restarts)
     workers: list[Any] = []
     trainer: subprocess.Popen | None = None
@@ -231,39 +272,40 @@ def run_local(
                 signal.signal(sig, stop_on_signal)
         device = cfg.trainer.device
         starters = {
-            "generation": lambda n: launch.start_generation_workers(
+            "generation": lambda n: launch.begin_generation_workers(
                 model_dir, cfg.generation, n, device, log_dir=logs
             ),
         }
         counts = {"generation": cfg.generation.num_workers}
         if cfg.environment.name is None:  # single-turn: the verifiers score
-            starters["verifier"] = lambda n: launch.start_verifier_workers(
+            starters["verifier"] = lambda n: launch.begin_verifier_workers(
                 cfg.verifier, n, log_dir=logs
             )
             counts["verifier"] = cfg.verifier.num_workers
         else:  # multi-turn: the environments score
-            starters["environment"] = lambda n: launch.start_environment_workers(
+            starters["environment"] = lambda n: launch.begin_environment_workers(
                 cfg.environment, n, log_dir=logs
             )
             counts["environment"] = cfg.environment.num_workers
         if cfg.trainer.loss.kl_coef > 0:
-            starters["logprob"] = lambda n: launch.start_logprob_workers(
+            starters["logprob"] = lambda n: launch.begin_logprob_workers(
                 model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
             )
             counts["logprob"] = cfg.logprob.num_workers
-        for pool in ("verifier", "environment", "logprob", "generation"):
-            if pool in starters:
-                started = starters[pool](counts[pool])
-                workers += started
-                supervisor.watch(pool, started, lambda start=starters[pool]: start(1))
+        # the pools and the trainer start side by side: a rank loads its model while the
+        # engines start, and waits for POOLS_READY before it asks the pools for anything
+        starting = {pool: starters[pool](counts[pool]) for pool in POOL_ORDER if pool in starters}
         print(
-            f"pools up: {len(workers)} workers; starting {cfg.trainer.num_ranks} trainer rank(s)",
+            f"starting {sum(counts.values())} pool workers and {cfg.trainer.num_ranks}"
+            " trainer rank(s)",
             flush=True,
         )
-        exit_file = exit_dir / "trainer_exit"
+        exit_file, ready_file = exit_dir / "trainer_exit", exit_dir / "pools_ready"
         env = {
             **os.environ,
             EXIT_FILE_ENV: str(exit_file),
+            POOLS_READY_ENV: str(ready_file),
+            RUN_ID_ENV: run_id,
             "OMP_NUM_THREADS": str(cfg.trainer.threads),
             "OMP_WAIT_POLICY": "PASSIVE",
             "RAY_AUTH_MODE": "disabled",
@@ -274,6 +316,11 @@ def run_local(
             start_new_session=True,
         )
         watchdog.guard(trainer.pid)
+        workers = [w for pending in starting.values() for w in pending.workers]
+        if _pools_started(starting, trainer):
+            for pool, pending in starting.items():
+                supervisor.watch(pool, pending.workers, lambda s=starters[pool]: s(1).wait())
+            ready_file.write_text(f"{len(workers)}\n")
         while (code := trainer.poll()) is None:
             time.sleep(1.0)
             for line in supervisor.check():  # dead pool workers are replaced
@@ -320,5 +367,6 @@ def run_local(
             ray.shutdown()
         if head is not None:
             head.stop()
+        remove_weight_files(run_id)  # the ranks remove theirs, unless they were killed
         watchdog.close()
         shutil.rmtree(exit_dir, ignore_errors=True)

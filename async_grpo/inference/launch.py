@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,31 @@ def _wait_started(refs: list[Any], what: str, timeout_s: float) -> list[str]:
     return ray.get(ready)
 
 
+@dataclass
+class Starting:
+    """A pool's actors, created, with their start calls in flight: `wait()` returns them
+    once every one has started (and is registered), or raises naming the pool. Pools
+    begun one after another start side by side (`async-grpo run` starts the trainer too)."""
+
+    pool: str
+    workers: list[Any]
+    refs: list[Any]
+    timeout_s: float
+    then: Callable[[], None] | None = None  # registers workers that do not register themselves
+
+    def done(self, timeout_s: float) -> bool:
+        """Whether every start call has returned (or failed), waiting at most `timeout_s`."""
+        import ray
+
+        return not ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)[1]
+
+    def wait(self, timeout_s: float | None = None) -> list[Any]:
+        _wait_started(self.refs, f"{self.pool} workers", timeout_s or self.timeout_s)
+        if self.then is not None:
+            self.then()
+        return self.workers
+
+
 def _start_pool(
     cls: type,
     pool: str,
@@ -69,10 +96,10 @@ def _start_pool(
     timeout_s: float,
     args: Any,
     log_dir: Path | None = None,
-) -> list[Any]:
-    """`count` actors of `cls` (its constructor takes `args(worker_id)`), started and
-    registered in `pool`'s registry; waits for all of them. With `log_dir`, each writes
-    its output to `log_dir/WORKER_ID.log` instead of streaming it to the driver."""
+) -> Starting:
+    """`count` actors of `cls` (its constructor takes `args(worker_id)`), starting; each
+    registers in `pool`'s registry once started. With `log_dir`, each writes its output
+    to `log_dir/WORKER_ID.log` instead of streaming it to the driver."""
     import ray
 
     from async_grpo.logs import actor_runtime_env
@@ -88,11 +115,16 @@ def _start_pool(
         ).remote(*args(wid))
         for wid in worker_ids(prefix, count)
     ]
-    _wait_started([w.start.remote() for w in workers], f"{pool} workers", timeout_s)
-    return workers
+    return Starting(pool, workers, [w.start.remote() for w in workers], timeout_s)
 
 
-def start_generation_workers(
+def start_generation_workers(*args: Any, **kwargs: Any) -> list[Any]:
+    """Start `count` vLLM workers on this cluster and register them; returns their handles
+    (the arguments of `begin_generation_workers`)."""
+    return begin_generation_workers(*args, **kwargs).wait()
+
+
+def begin_generation_workers(
     model_dir: str,
     cfg: GenerationConfig,
     count: int,
@@ -100,8 +132,8 @@ def start_generation_workers(
     detached: bool = False,
     timeout_s: float = START_TIMEOUT_S,
     log_dir: Path | None = None,
-) -> list[Any]:
-    """Start `count` vLLM workers on this cluster and register them; returns their handles."""
+) -> Starting:
+    """`count` vLLM workers, starting (tens of seconds on CPU)."""
     from async_grpo.inference.generation import GenerationWorker, vllm_env
 
     opts = {
@@ -123,7 +155,13 @@ def start_generation_workers(
     )
 
 
-def start_logprob_workers(
+def start_logprob_workers(*args: Any, **kwargs: Any) -> list[Any]:
+    """Start `count` transformers log-prob workers and register them (the arguments of
+    `begin_logprob_workers`)."""
+    return begin_logprob_workers(*args, **kwargs).wait()
+
+
+def begin_logprob_workers(
     model_dir: str,
     cfg: LogprobConfig,
     count: int,
@@ -132,8 +170,8 @@ def start_logprob_workers(
     detached: bool = False,
     timeout_s: float = START_TIMEOUT_S,
     log_dir: Path | None = None,
-) -> list[Any]:
-    """Start `count` transformers log-prob workers and register them."""
+) -> Starting:
+    """`count` transformers log-prob workers, starting."""
     from async_grpo.inference.logprob import LogprobWorker
 
     opts = {
@@ -174,14 +212,19 @@ def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
         ray.kill(w)
 
 
-def start_verifier_workers(
+def start_verifier_workers(*args: Any, **kwargs: Any) -> list[Any]:
+    """Start verifier actors and register them (the arguments of `begin_verifier_workers`)."""
+    return begin_verifier_workers(*args, **kwargs).wait()
+
+
+def begin_verifier_workers(
     cfg: VerifierConfig,
     count: int,
     detached: bool = False,
     timeout_s: float = 120.0,
     log_dir: Path | None = None,
-) -> list[Any]:
-    """Start `count` verifier actors and register them in the `verifier` registry.
+) -> Starting:
+    """`count` verifier actors, starting; registered in the `verifier` registry once up.
 
     Capacity is in samples queued per worker; each worker scores `cfg.max_concurrency`
     at a time in sandbox subprocesses (those do the CPU work, so the actor reserves none).
@@ -202,15 +245,21 @@ def start_verifier_workers(
     )
 
 
-def start_environment_workers(
+def start_environment_workers(*args: Any, **kwargs: Any) -> list[Any]:
+    """Start environment workers and register them (the arguments of
+    `begin_environment_workers`)."""
+    return begin_environment_workers(*args, **kwargs).wait()
+
+
+def begin_environment_workers(
     cfg: EnvironmentConfig,
     count: int,
     detached: bool = False,
     timeout_s: float = 120.0,
     log_dir: Path | None = None,
-) -> list[Any]:
-    """Start `count` environment workers and register them in the `environment` registry,
-    each with room for `cfg.capacity` live instances (episodes)."""
+) -> Starting:
+    """`count` environment workers, starting; registered in the `environment` registry
+    once up, each with room for `cfg.capacity` live instances (episodes)."""
     from async_grpo.environments.pool import EnvironmentWorker
 
     return _start_silent_pool(
@@ -238,7 +287,7 @@ def _start_silent_pool(
     args: Any,
     log_dir: Path | None,
     max_concurrency: int,
-) -> list[Any]:
+) -> Starting:
     """Actors without heartbeats (their registry pings them): started, then registered."""
     import socket
 
@@ -256,12 +305,14 @@ def _start_silent_pool(
         actor.options(**opts, runtime_env=actor_runtime_env(None, log_dir, wid)).remote(*args(wid))
         for wid in ids
     ]
-    _wait_started([w.stats.remote() for w in workers], f"{pool} workers", timeout_s)
-    ray.get(
-        [
-            registry.register.remote(wid, w, capacity, 0, socket.gethostname(), False)
-            for wid, w in zip(ids, workers, strict=True)
-        ],
-        timeout=timeout_s,
-    )
-    return workers
+
+    def register() -> None:
+        ray.get(
+            [
+                registry.register.remote(wid, w, capacity, 0, socket.gethostname(), False)
+                for wid, w in zip(ids, workers, strict=True)
+            ],
+            timeout=timeout_s,
+        )
+
+    return Starting(pool, workers, [w.stats.remote() for w in workers], timeout_s, register)

@@ -412,6 +412,7 @@ def build_trainer(
     from async_grpo.logs import log_dir, quiet_libraries
     from async_grpo.models import resolve_model
     from async_grpo.ray_utils import connect
+    from async_grpo.run import wait_for_pools
     from async_grpo.trainer import checkpoint
     from async_grpo.trainer.batcher_link import setup_batcher
     from async_grpo.trainer.model import build_optimizer, build_policy
@@ -435,12 +436,13 @@ def build_trainer(
 
         check_verifiers(cfg.verifier)
     model_dir = str(resolve_model(cfg.model))
+    attention, reason = select_trainer_attention(cfg)
+    policy = build_policy(model_dir, t, device, world, attention)  # while the pools start
+    opt, sched = build_optimizer(policy, t)
+    wait_for_pools()
     batcher = setup_batcher(
         cfg, model_dir, rank, world, None if verbose else log_dir(cfg.output_dir)
     )
-    attention, reason = select_trainer_attention(cfg)
-    policy = build_policy(model_dir, t, device, world, attention)
-    opt, sched = build_optimizer(policy, t)
     trainer = Trainer(cfg, policy, opt, sched, batcher, model_dir, device)
     trainer.attention_reason = reason
     if resume:

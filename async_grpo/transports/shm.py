@@ -7,6 +7,7 @@ The file is created once per set of workers and reused for every push.
 
 from __future__ import annotations
 
+import glob
 import os
 import uuid
 
@@ -15,6 +16,24 @@ import torch
 from async_grpo.transports.base import Receiver
 
 SHM_DIR = "/dev/shm"
+# set by `async-grpo run` for its ranks: their weight files carry the run's id, so the run
+# removes them however its trainer ended (killed ranks cannot remove their own)
+RUN_ID_ENV = "ASYNC_GRPO_RUN_ID"
+
+
+def weight_file_pattern(run_id: str, directory: str = SHM_DIR) -> str:
+    return os.path.join(directory, f"async-grpo-weights-{run_id}-*")
+
+
+def remove_weight_files(run_id: str, directory: str = SHM_DIR) -> int:
+    """Remove the weight files of run `run_id`; how many there were."""
+    found = glob.glob(weight_file_pattern(run_id, directory))
+    for path in found:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # its rank removed it meanwhile
+            continue
+    return len(found)
 
 
 def shm_room(directory: str = SHM_DIR) -> int:
@@ -40,7 +59,9 @@ class SharedSlots:
                 f" {need / 2**20:.0f} MiB (enlarge it, e.g. docker --shm-size, or set"
                 " trainer.weight_transport: broadcast)"
             )
-        self.path = os.path.join(directory, f"async-grpo-weights-{uuid.uuid4().hex[:12]}")
+        run = os.environ.get(RUN_ID_ENV)
+        name = f"{run}-{uuid.uuid4().hex[:12]}" if run else uuid.uuid4().hex[:12]
+        self.path = os.path.join(directory, f"async-grpo-weights-{name}")
         with open(self.path, "wb") as f:
             f.truncate(need)
         self.slot_bytes = slot_bytes

@@ -2,6 +2,7 @@
 process of that run (by an environment tag each one inherits, not by name), read its
 metrics and check the sample books."""
 
+import glob
 import json
 import signal
 import subprocess
@@ -10,6 +11,8 @@ import uuid
 from pathlib import Path
 
 from _cli import plugin_env, run_command
+
+from async_grpo.transports.shm import RUN_ID_ENV, weight_file_pattern
 
 TAG = "ASYNC_GRPO_TEST_RUN"
 
@@ -38,6 +41,7 @@ def start(cmd: list[str], out: Path, faults: str = "") -> tuple[subprocess.Popen
     env = {
         **plugin_env(),
         TAG: tag,
+        RUN_ID_ENV: tag,  # names the run's shared-memory weight files
         "ASYNC_GRPO_FAULTS": faults,
         "ASYNC_GRPO_FAULT_DIR": str(out / "faults"),
     }
@@ -89,10 +93,13 @@ def run_pids(tag: str) -> set[int]:
 
 
 def assert_all_gone(tag: str, within_s: float = 60.0) -> float:
-    """Wait until no process of the run is left; the seconds that took."""
+    """Wait until no process of the run is left; the seconds that took. No shared-memory
+    weight file of the run may be left either (a killed rank cannot remove its own)."""
     t = time.monotonic()
     while (left := run_pids(tag)) and time.monotonic() - t < within_s:
         time.sleep(0.5)
+    files = glob.glob(weight_file_pattern(tag))
+    assert not files, f"weight files left behind: {files}"
     names = {}
     for p in left:
         try:

@@ -1,0 +1,54 @@
+"""How `async-grpo run` starts and cleans up, in pieces: the engine's process layout, the
+ranks' wait for the pools, the run's weight files."""
+
+import threading
+import time
+
+import pytest
+
+from async_grpo.config import GenerationConfig
+from async_grpo.inference.generation import vllm_env
+from async_grpo.run import POOLS_READY_ENV, wait_for_pools
+from async_grpo.transports.shm import RUN_ID_ENV, SharedSlots, remove_weight_files
+
+
+def test_unbound_engines_run_the_model_in_the_engine_core(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = vllm_env(GenerationConfig(threads=2), "cpu")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # vLLM binds in its worker only
+    assert vllm_env(GenerationConfig(), "cpu")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(GenerationConfig(), "cuda")
+
+
+def test_a_rank_started_by_hand_does_not_wait(monkeypatch):
+    monkeypatch.delenv(POOLS_READY_ENV, raising=False)
+    t = time.monotonic()
+    wait_for_pools(timeout_s=5)
+    assert time.monotonic() - t < 1
+
+
+def test_a_rank_of_run_waits_for_the_pools_then_goes_on(monkeypatch, tmp_path):
+    ready = tmp_path / "pools_ready"
+    monkeypatch.setenv(POOLS_READY_ENV, str(ready))
+    threading.Timer(0.5, ready.write_text, ("3\n",)).start()
+    t = time.monotonic()
+    wait_for_pools(timeout_s=30)
+    assert 0.4 < time.monotonic() - t < 10
+
+
+def test_pools_that_never_come_up_end_the_wait_naming_them(monkeypatch, tmp_path):
+    monkeypatch.setenv(POOLS_READY_ENV, str(tmp_path / "never"))
+    with pytest.raises(TimeoutError, match="pools of `async-grpo run` were not up within 1s"):
+        wait_for_pools(timeout_s=1)
+
+
+def test_a_run_removes_its_weight_files_and_only_those(monkeypatch, tmp_path):
+    monkeypatch.setenv(RUN_ID_ENV, "run1")
+    mine = SharedSlots(1024, directory=str(tmp_path))
+    monkeypatch.setenv(RUN_ID_ENV, "run2")
+    other = SharedSlots(1024, directory=str(tmp_path))
+    assert remove_weight_files("run1", directory=str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.path.rsplit("/", 1)[1]]
+    assert mine.path.rsplit("/", 1)[1].startswith("async-grpo-weights-run1-")
+    other.close()
