@@ -38,11 +38,16 @@ def vllm_env(cfg: GenerationConfig, device: str) -> dict[str, str]:
     """Environment for an engine process (set through the actor's runtime_env)."""
     env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(Path.home() / ".cache/vllm"))}
     if device == "cpu":
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env |= {
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.kv_cache_gib))),
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            "VLLM_CPU_OMP_THREADS_BIND": bind,
             "OMP_NUM_THREADS": str(cfg.threads),
             CPU_LINEAR_ENV: cfg.cpu_linear,
+            # unbound threads: the model runs in the engine-core process instead of a
+            # worker process of its own (faster start and decoding, docs/engine-processes.md);
+            # vLLM binds threads only in its worker process
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if bind == "nobind" else "1",
         }
     return env
 
