@@ -33,6 +33,9 @@ class EnvironmentFailed(Exception):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # Ray pickles it to the caller
+        return type(self), (self.reason, str(self))
+
 
 def environment_factory(cfg: EnvironmentConfig) -> Any:
     """A callable making one fresh instance: the named class, or its server-backed client."""

@@ -1,0 +1,92 @@
+"""Every exception class of the package reaches a caller through a real Ray actor as
+itself: same class, same message, same attributes. Ray pickles an actor's exception to
+its caller, which rebuilds it as `cls(*args)`; a class whose `args` differ from its
+constructor's arguments arrives as Ray's UnserializableException instead (a run whose
+environment raised ended that way). The classes are found in the source, so a new one
+without an entry in EXAMPLES fails here."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "async_grpo"
+BASES = ("Exception", "Error")  # run.Stopped, a KeyboardInterrupt, never leaves `run`
+
+# constructor arguments of each class, and attributes the caller must get back
+EXAMPLES: dict[str, tuple[tuple, dict]] = {
+    "async_grpo.errors.UserError": (("data.jsonl:3: field 'input': missing",), {}),
+    "async_grpo.config.ConfigError": (("trainer.lr: must be > 0, got -1",), {}),
+    "async_grpo.data.jsonl.DataError": (("a.jsonl:2: not JSON",), {}),
+    "async_grpo.hooks.HookFailed": (("hook EventLog raised in after_step: KeyError",), {}),
+    "async_grpo.trainer.push.GroupBroken": (("member gen-1 died",), {}),
+    "async_grpo.rewards.countdown.EquationError": (("uses 7 twice",), {}),
+    "async_grpo.rewards.sandbox.SandboxError": (("could not import reward",), {}),
+    "async_grpo.inference.supervisor.RestartLimit": (("pool 'verifier': too many",), {}),
+    "async_grpo.inference.types.RequestError": (("prompt too long",), {}),
+    "async_grpo.inference.types.PoolUnavailable": (("no generation workers",), {}),
+    "async_grpo.batcher.channel.ChannelClosed": (("rank 1",), {}),
+    "async_grpo.environments.pool.EnvironmentFailed": (
+        ("timeout", "env step took over 5s"),
+        {"reason": "timeout"},
+    ),
+    "async_grpo.environments.base.BadStep": (("step: returned int",), {}),
+}
+
+
+def _exception_classes() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(b).endswith(BASES) for b in node.bases
+            ):
+                found.append(f"{module}.{node.name}")
+    return found
+
+
+def _load(qualname: str) -> type:
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_exception_class_has_an_example():
+    assert sorted(_exception_classes()) == sorted(EXAMPLES)
+
+
+@pytest.fixture(scope="module")
+def thrower():
+    import ray
+
+    from async_grpo.ray_utils import connect
+
+    started = not ray.is_initialized()
+    connect(None, num_cpus=1, object_store_bytes=80 << 20, log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Thrower:
+        def throw(self, qualname: str, args: tuple) -> None:
+            import importlib  # by value: the worker cannot import this test module
+
+            module, _, name = qualname.rpartition(".")
+            raise getattr(importlib.import_module(module), name)(*args)
+
+    yield Thrower.remote()
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("qualname", sorted(EXAMPLES))
+def test_raised_in_an_actor_arrives_as_itself(thrower, qualname):
+    import ray
+
+    cls = _load(qualname)
+    args, attrs = EXAMPLES[qualname]
+    with pytest.raises(cls) as caught:
+        ray.get(thrower.throw.remote(qualname, args), timeout=60)
+    want = cls(*args)
+    assert str(want) in str(caught.value)
+    for name, value in attrs.items():
+        assert getattr(caught.value, name) == value
