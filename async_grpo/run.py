@@ -1,9 +1,10 @@
 """`async-grpo run`: everything on one machine in one command, and a clean stop.
 
-Starts (or joins, with --address) a Ray cluster, the generation / verifier / logprob pools,
-then the trainer under torchrun as a child process that joins the same cluster. Output is
-streamed; on exit, error or Ctrl-C everything it started is stopped: the torchrun process
-group, the pool actors and the Ray head (no orphan raylets, engines or ranks).
+Starts (or joins, with --address) a Ray cluster, then the generation / verifier / logprob
+pools and the trainer under torchrun side by side (a child process that joins the same
+cluster and waits for the pools before it uses them). Output is streamed; on exit, error or
+Ctrl-C everything it started is stopped: the torchrun process group, the pool actors, the
+Ray head and the ranks' shared-memory weight files (no orphan raylets, engines or ranks).
 """
 
 from __future__ import annotations
@@ -184,14 +185,14 @@ class LocalHead:
 def _pools_started(starting: dict[str, Any], trainer: subprocess.Popen) -> bool:
     """Wait for each pool's workers to start; False if the trainer ended first (its exit
     code is then the run's). A pool that fails or times out raises, naming itself."""
-    for pending in starting.values():
+    for pool, pending in starting.items():
         deadline = time.monotonic() + pending.timeout_s
         while not pending.done(timeout_s=1.0):
             if trainer.poll() is not None:
                 return False
             if time.monotonic() > deadline:
-                break  # wait() raises the timeout
-        pending.wait(timeout_s=1.0)
+                raise TimeoutError(f"{pool} workers did not start within {pending.timeout_s:.0f}s")
+        pending.wait(timeout_s=1.0)  # raises a worker's start error; registers the workers
     return trainer.poll() is None
 
 

@@ -436,6 +436,7 @@ def build_trainer(
 
         check_verifiers(cfg.verifier)
     model_dir = str(resolve_model(cfg.model))
+    resume_from = checkpoint.find_resume(cfg.output_dir, resume) if resume else None
     attention, reason = select_trainer_attention(cfg)
     policy = build_policy(model_dir, t, device, world, attention)  # while the pools start
     opt, sched = build_optimizer(policy, t)
@@ -445,8 +446,8 @@ def build_trainer(
     )
     trainer = Trainer(cfg, policy, opt, sched, batcher, model_dir, device)
     trainer.attention_reason = reason
-    if resume:
-        trainer.resume(checkpoint.find_resume(cfg.output_dir, resume))
+    if resume_from is not None:
+        trainer.resume(resume_from)
     from async_grpo.trainer.push import WeightPusher
 
     trainer.pusher = WeightPusher(
