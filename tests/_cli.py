@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PLUGINS = REPO / "tests" / "integration" / "plugins"  # test rewards, environments, hooks
 CLI = [sys.executable, "-m", "async_grpo.cli"]
 
 
@@ -39,5 +40,40 @@ def wait_for_line(proc, text, timeout_s=180):
 
 def plugin_env() -> dict[str, str]:
     """This environment with the test reward plugins (tests/integration/plugins) importable."""
-    path = f"{REPO / 'tests' / 'integration' / 'plugins'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    path = f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     return {**os.environ, "PYTHONPATH": path}
+
+
+def loop_command(model_dir: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    """The whole-loop run of the integration and fault tests: 2 gloo ranks, KL on (a
+    log-prob worker), one group of 6 a step, on-policy, checkpoints every 3 steps, a
+    reward with variance even for a tiny random model (`extra` overrides any of it)."""
+    return run_command(
+        "quickstart.yaml",
+        f"model={model_dir}",
+        f"output_dir={out}",
+        f"trainer.max_steps={steps}",
+        "trainer.num_ranks=2",
+        "trainer.lr=1e-3",
+        "trainer.loss.kl_coef=0.01",
+        "batcher.questions_per_step=1",
+        "batcher.samples_per_question=6",
+        "batcher.max_off_policy_steps=0",
+        "batcher.max_tokens_per_gpu=512",
+        "generation.max_model_len=512",
+        "generation.max_new_tokens=24",
+        "generation.dtype=float32",
+        "trainer.save_every=3",
+        "verifier.rewards=[rewards_for_tests:vowel_share]",
+        *extra,
+    )
+
+
+# `loop_command` overrides for a run one step off-policy: 2 groups a step, one at a time in
+# the engine (its batch stays the same from run to run), drawn by a curriculum
+ASYNC = (
+    "batcher.questions_per_step=2",
+    "batcher.max_off_policy_steps=1",
+    "generation.max_concurrent_seqs=6",
+    "batcher.curriculum=true",
+)

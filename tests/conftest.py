@@ -1,4 +1,6 @@
-"""Shared fixtures: the real SmolLM2 folder and a tiny random model with its tokenizer.
+"""Shared fixtures: the real SmolLM2 folder, a tiny random model with its tokenizer, and
+one Ray cluster for the whole test session (`ray_cluster`; tests/integration/conftest.py
+gives each module a clean set of pools on it).
 
 Every test process runs offline, single-threaded by default, with a passive OpenMP wait
 policy (2-thread runs were sometimes 10x slower without it on the 2-core machines).
@@ -11,17 +13,31 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from _cli import CLI, free_port  # noqa: E402
+from _cli import PLUGINS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Modules whose engines hold the real SmolLM2 (a few GB each): run one at a time, so two
+# pytest workers (-n 2) never hold all of them at once on a 24 GB machine.
+SMOLLM2_ENGINES = {
+    "test_environment_pool.py",
+    "test_inference_pools.py",
+    "test_models.py",
+    "test_weight_transports.py",
+}
+# The longest files and groups (docs/testing.md), handed out first: a long one started last
+# would leave one worker alone at the end.
+LONGEST_FIRST = [
+    "smollm2-engines",
+    "test_training_loop.py",
+    "test_pool_faults.py",
+    "test_signals.py",
+    "test_trainer_crash.py",
+    "test_eval_in_run.py",
+]
 
 
 @pytest.fixture(scope="session")
@@ -40,54 +56,54 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_from=smollm2_dir)
 
 
+def _group(item) -> str:
+    name = item.path.name
+    return "smollm2-engines" if name in SMOLLM2_ENGINES else name
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests are skipped where torch sees no CUDA device."""
+    """`gpu` tests are skipped where torch sees no CUDA device. Each test file is one group
+    of pytest-xdist's `--dist loadgroup` (its module fixtures are built once), the files in
+    SMOLLM2_ENGINES are one group together, and the longest groups come first."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (rank.get(_group(it), len(rank)), order[id(it)]))
 
 
 @pytest.fixture
 def ray_head():
-    """A private head node: `ray start --block` in the foreground, so that ending it ends
-    exactly this cluster (`ray stop` would end every Ray process of the user)."""
-    port = free_port()
+    """A private head node (`ray start --block` in a session of its own, as `async-grpo run`
+    starts one): killing its process group ends exactly this cluster, at once (`ray stop`
+    would end every Ray process of the user; a SIGTERM to the head takes ~30 s)."""
+    from async_grpo.run import LocalHead
+
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    temp = tempfile.mkdtemp(prefix="rg", dir="/tmp")  # short: Unix socket paths are limited
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    head = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address=127.0.0.1",
-            f"--port={port}",
-            "--include-dashboard=false",
-            "--num-cpus=4",
-            f"--object-store-memory={256 << 20}",
-            f"--temp-dir={temp}",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while (
-        subprocess.run(
-            [*CLI, "status", "--address", address], env=env, capture_output=True, timeout=120
-        ).returncode
-        != 0
-    ):
-        assert head.poll() is None and time.monotonic() < deadline, "ray head did not start"
-        time.sleep(2)
-    yield address, env
-    head.terminate()
-    head.wait(timeout=60)
-    shutil.rmtree(temp, ignore_errors=True)
+    head = LocalHead(num_cpus=4, object_store_bytes=256 << 20)
+    try:
+        yield head.address, env
+    finally:
+        head.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One private local Ray instance for every in-process test of the session: its start
+    (~5-10 s) is paid once. Its workers can import the test plugins (rewards, environments,
+    hooks). Modules must not shut it down; they stop what they started."""
+    import ray
+
+    from async_grpo.ray_utils import connect
+
+    assert not ray.is_initialized(), "a test left Ray connected before the session cluster"
+    path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = f"{PLUGINS}{os.pathsep}{path}" if path else str(PLUGINS)
+    connect(None, num_cpus=8, object_store_bytes=1 << 30)
+    yield
+    ray.shutdown()

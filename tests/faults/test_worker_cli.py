@@ -6,25 +6,16 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from _cli import CLI, wait_for_line
+from _ray import my_processes
 
 pytestmark = pytest.mark.faults
 
 
 def _verifier_pids() -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
-                continue
-            if cmd.startswith(b"ray::VerifierWorker"):
-                found.add(int(entry.name))
-    return found
+    return my_processes("ray::VerifierWorker")
 
 
 @pytest.mark.parametrize(

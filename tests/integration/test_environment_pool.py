@@ -35,17 +35,6 @@ GAME = "I picked a secret whole number from 1 to 1000. Guess it: reply with one 
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-
-    from async_grpo.ray_utils import connect
-
-    connect(None, num_cpus=8, object_store_bytes=1 << 30)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def generation(cluster, smollm2_dir):
     from async_grpo.inference.launch import start_generation_workers, stop_workers
 

@@ -1,5 +1,5 @@
 """Held-out evaluation as a user runs it: inside `async-grpo run` (real Ray, vLLM engine,
-verifier pool, trainer) with a user hook, a hook that raises, and `async-grpo eval` on the
+verifier pool, trainer) with a user hook, and `async-grpo eval` on the
 real SmolLM2 and on a checkpoint folder."""
 
 import json
@@ -100,18 +100,6 @@ def test_a_user_hook_sees_every_event_and_only_held_out_prompts(run_with_eval):
     assert names[-1] == "on_end"
     prompts = {s["prompt"] for e in events if e["event"] == "after_eval" for s in e["samples"]}
     assert prompts and prompts <= _inputs(HELD_OUT) and not prompts & _inputs(TRAIN)
-
-
-def test_a_hook_that_raises_stops_the_run_naming_it(tiny_model_dir, tmp_path):
-    r = _run(
-        tiny_model_dir,
-        tmp_path / "run",
-        3,
-        "hooks=[{path: 'hooks_for_tests:FailsAfterFirstStep'}]",
-        expect=2,
-    )
-    line = "hook fails_after_first_step: after_step raised RuntimeError: refusing step 1"
-    assert line in r.stderr, r.stderr[-3000:]
 
 
 def _eval(model, out, *extra):

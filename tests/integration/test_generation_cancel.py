@@ -24,18 +24,15 @@ LONG = SamplingSettings(max_new_tokens=2000, temperature=1.0, seed=0)
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir):
+def worker(cluster, tiny_model_dir):
     import ray
 
     from async_grpo.inference.launch import start_generation_workers, stop_workers
-    from async_grpo.ray_utils import connect
 
-    connect(None, num_cpus=2, object_store_bytes=256 << 20)
     (w,) = start_generation_workers(str(tiny_model_dir), CFG, 1, timeout_s=600)
     ray.get(w.generate.remote([1, 2, 3], N, SamplingSettings(32, 1.0, seed=1)), timeout=300)
     yield w
     stop_workers([w], drain_timeout_s=5)
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -21,17 +21,6 @@ GREEDY = SamplingSettings(max_new_tokens=12, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-
-    from async_grpo.ray_utils import connect
-
-    connect(None, num_cpus=8, object_store_bytes=1 << 30)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def workers(cluster, smollm2_dir):
     from async_grpo.inference.launch import start_generation_workers, stop_workers
 

@@ -12,19 +12,14 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir):
-    import ray
-
+def worker(cluster, tiny_model_dir):
     from async_grpo.inference.launch import start_logprob_workers, stop_workers
-    from async_grpo.ray_utils import connect
 
-    connect(None, num_cpus=4, object_store_bytes=256 << 20)
     (w,) = start_logprob_workers(
         str(tiny_model_dir), LogprobConfig(max_tokens_per_batch=64, dtype="float32"), 1
     )
     yield w
     stop_workers([w], drain_timeout_s=5)
-    ray.shutdown()
 
 
 def _reference(model, prompt, completion):

@@ -1,5 +1,6 @@
 """The prepared SmolLM2 folder loads and generates in transformers and in vLLM."""
 
+import functools
 import json
 import os
 import subprocess
@@ -47,6 +48,7 @@ def test_transformers_generates(smollm2_dir):
     assert "Paris" in text
 
 
+@functools.cache  # where `auto` is float32 the two tests below share one engine start
 def _vllm_greedy(model_dir, dtype: str) -> dict:
     script = Path(__file__).with_name("vllm_smoke.py")
     r = subprocess.run(

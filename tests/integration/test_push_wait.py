@@ -13,10 +13,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def members():
+def members(cluster):
     import ray
-
-    from async_grpo.ray_utils import connect
 
     @ray.remote(num_cpus=0)
     class Member:
@@ -29,9 +27,17 @@ def members():
         def answer(self) -> int:
             return 7
 
-    connect(None, num_cpus=4, object_store_bytes=256 << 20)
-    yield Member
-    ray.shutdown()
+    made = []
+
+    class Members:  # every member made is killed at the end (the cluster outlives the module)
+        @staticmethod
+        def remote():
+            made.append(Member.remote())
+            return made[-1]
+
+    yield Members
+    for actor in made:
+        ray.kill(actor)
 
 
 def _pusher(transports: dict[str, str]) -> WeightPusher:

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+from _ray import forget_pools
 
 from async_grpo.config import LogprobConfig
 
@@ -15,16 +16,13 @@ GRACE_S = 5.0  # lease grace of this test's registry: unbacked leases return wit
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-
+def cluster(ray_cluster):
     from async_grpo.inference.launch import ensure_registry
-    from async_grpo.ray_utils import connect
 
-    connect(None, num_cpus=4, object_store_bytes=256 << 20)
-    ensure_registry("logprob", lease_grace_s=GRACE_S)  # first: later calls keep its settings
+    forget_pools()  # this module's registry must be made with its grace
+    ensure_registry("logprob", lease_grace_s=GRACE_S)
     yield
-    ray.shutdown()
+    forget_pools()
 
 
 def _kill(actor) -> None:

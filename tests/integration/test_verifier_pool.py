@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+from _ray import my_processes
 
 from async_grpo.config import VerifierConfig
 from async_grpo.rewards import RewardInput
@@ -29,17 +30,10 @@ def expected(n: int) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # FACTS.md: keep token auth off
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=200 * 1024**2,
-    )
-    yield ray
-    ray.shutdown()
+def ray_local(cluster):
+    import ray
+
+    return ray
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +45,7 @@ def pool(ray_local):
 
 
 def sandbox_pids() -> list[int]:
-    import psutil
-
-    return [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if any("_child_main" in part for part in p.info["cmdline"] or [])
-    ]
+    return sorted(my_processes("_child_main"))
 
 
 def test_two_workers_score_200_samples_and_stats_add_up(pool):
@@ -119,3 +107,26 @@ def test_no_scoring_process_outlives_its_worker(ray_local, how):
     else:  # no close(): the children die with the actor (PDEATHSIG)
         ray_local.kill(pool._actors[0])
     assert wait_gone(mine) == set()
+
+
+@pytest.mark.parametrize(
+    "reward, reason",
+    [
+        ("broken", "error: KeyError"),
+        ("hangs", "timeout"),
+        ("segfaults", "error: scoring process died (code=-11)"),
+        ("hogs_memory", "error: MemoryError"),
+    ],
+)
+def test_a_broken_reward_scores_zero_with_its_reason(ray_local, reward, reason):
+    """Through the verifier actor, as a run scores: every sample comes back, 0 with why."""
+    cfg = VerifierConfig(
+        num_workers=1, rewards=[f"rewards_for_tests:{reward}"], timeout_s=3.0, max_concurrency=2
+    )
+    pool = VerifierPool.start(cfg, num_cpus=0)
+    try:
+        outs = asyncio.run(pool.score(countdown_samples(3)))
+    finally:
+        pool.shutdown()
+    assert [o.reward for o in outs] == [0.0] * 3
+    assert all(o.reason.startswith(reason) for o in outs), [o.reason for o in outs]

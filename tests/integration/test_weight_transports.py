@@ -41,23 +41,12 @@ class _Wrapped(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    import ray
-
-    from async_grpo.ray_utils import connect
-
-    connect(None, num_cpus=8, object_store_bytes=256 << 20)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def workers(cluster, smollm2_dir):
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.inference.launch import begin_generation_workers, stop_workers
 
-    (near,) = start_generation_workers(str(smollm2_dir), CFG, 1)
     far_cfg = dataclasses.replace(CFG, weight_transport="broadcast", cpu_linear="torch")
-    (far,) = start_generation_workers(str(smollm2_dir), far_cfg, 1)
+    starting = [begin_generation_workers(str(smollm2_dir), c, 1) for c in (CFG, far_cfg)]
+    (near,), (far,) = [s.wait() for s in starting]  # the two engines start side by side
     yield near, far
     stop_workers([near, far], drain_timeout_s=5)
 

@@ -37,10 +37,3 @@ class EventLog(TrainingHook):
 
     def on_end(self):
         self._write(event="on_end")
-
-
-class FailsAfterFirstStep(TrainingHook):
-    name = "fails_after_first_step"
-
-    def after_step(self, step, metrics, samples):
-        raise RuntimeError(f"refusing step {step}")
