@@ -61,17 +61,22 @@ def _group(item) -> str:
     return "smollm2-engines" if name in SMOLLM2_ENGINES else name
 
 
+def pytest_itemcollected(item):
+    """Each test file is one group of pytest-xdist's `--dist loadgroup` (its module fixtures
+    are built once), the files in SMOLLM2_ENGINES one group together. Marked as each item is
+    collected: pytest-xdist reads the groups before any conftest's modifyitems runs."""
+    item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests are skipped where torch sees no CUDA device. Each test file is one group
-    of pytest-xdist's `--dist loadgroup` (its module fixtures are built once), the files in
-    SMOLLM2_ENGINES are one group together, and the longest groups come first."""
+    """`gpu` tests are skipped where torch sees no CUDA device; the longest groups first."""
     import torch
 
-    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if skip is not None and "gpu" in item.keywords:
-            item.add_marker(skip)
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda it: (rank.get(_group(it), len(rank)), order[id(it)]))
