@@ -248,9 +248,11 @@ def test_in_flight_push_labels_each_token_with_the_weights_that_sampled_it(
 
 
 def _plasma_mib() -> float:
+    import ray
     from ray._private.internal_api import memory_summary
 
-    text = memory_summary(stats_only=True)
+    # this process's cluster: others may run beside it (pytest -n, the runs' heads)
+    text = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
     found = re.search(r"Plasma memory usage (\d+) MiB", text)
     return float(found.group(1)) if found else 0.0
 
