@@ -25,6 +25,7 @@ ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 # "auto": flash-attn varlen on CUDA when installed (unshared rows), else flex_attention on
 # CUDA, dense SDPA on CPU (core/attention/)
 Attention = Literal["auto", "sdpa", "flex", "flash"]
+Kernels = Literal["eager", "liger", "compile"]  # see trainer/model.py: apply_liger, wrap_layers
 WeightTransport = Literal["auto", "broadcast", "shm", "cuda_ipc"]  # see async_grpo/transports
 
 
@@ -146,6 +147,7 @@ class TrainerConfig:
     compute_dtype: ComputeDtype | None = "auto"  # FSDP2 fwd/bwd; auto: bf16 if native; None: dtype
     attention: Attention = "auto"  # auto: flash varlen / flex on CUDA, dense sdpa on CPU
     activation_checkpointing: bool | None = None  # per decoder layer; None: on for CUDA only
+    kernels: Kernels = "eager"  # liger: Liger-Kernel (CUDA); compile: torch.compile per layer
     defer_grad_sync: bool = True
     device: Literal["cpu", "cuda"] = "cpu"
     save_every: int = 0  # 0 = only at the end

@@ -6,6 +6,8 @@ naming the key, its value and what was expected (a run would hang or crash later
 
 from __future__ import annotations
 
+import importlib.util
+
 from async_grpo.config import ConfigError, RunConfig
 
 
@@ -93,6 +95,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.attention: {t.attention!r} cannot train on CPU"
             " (flash-attn needs CUDA; PyTorch has no flex_attention backward on CPU); use auto"
+        )
+    if t.kernels == "liger" and t.device != "cuda":
+        raise ConfigError("trainer.kernels: 'liger' runs Triton kernels on CUDA only; use eager")
+    if t.kernels == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError(
+            "trainer.kernels: 'liger' needs the liger-kernel package (pip install 'async-grpo[gpu]')"
         )
     if (t.weight_transport, t.device) in (("cuda_ipc", "cpu"), ("shm", "cuda")):
         raise ConfigError(

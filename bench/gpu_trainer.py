@@ -22,6 +22,7 @@ import json
 import os
 import random
 import socket
+import sys
 import tempfile
 import time
 
@@ -45,8 +46,9 @@ SHAPES = {
 }  # fmt: skip
 
 
-def model_folder(name: str, root: str) -> str:
-    """A folder with random weights in `name`'s shapes (tied embeddings, bias-free head)."""
+def model_folder(name: str, root: str, device: str = "cpu") -> str:
+    """A folder with random weights in `name`'s shapes (tied embeddings, bias-free head),
+    initialised on `device` (bf16 on CUDA: half the bytes to save and read back)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -54,7 +56,9 @@ def model_folder(name: str, root: str) -> str:
     cls = Qwen2Config if shape.pop("kind") == "qwen2" else LlamaConfig
     config = cls(**shape, tie_word_embeddings=True, max_position_embeddings=131072)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     path = os.path.join(root, name)
     model.save_pretrained(path)
     return path
@@ -83,7 +87,7 @@ def groups_for_row(row_tokens: int, vocab: int, share: bool, seed: int = 0) -> l
 def phase_seconds(policy, batch, loss_fn, opt, sync) -> dict[str, float]:
     """One more step, timed per phase (forward with the loss, backward, optimizer)."""
     marks = [time.perf_counter()]
-    logp, _ = policy(batch, False)
+    logp, _ = policy(batch, True)  # with entropy, as the trainer
     loss, _ = loss_fn(logp, batch, 1, 1, None, 1)
     sync()
     marks.append(time.perf_counter())
@@ -95,12 +99,69 @@ def phase_seconds(policy, batch, loss_fn, opt, sync) -> dict[str, float]:
     sync()
     marks.append(time.perf_counter())
     names = ("forward_s", "backward_s", "optimizer_s")
-    return {n: round(b - a, 4) for n, a, b in zip(names, marks, marks[1:], strict=False)}
+    out = {n: round(b - a, 4) for n, a, b in zip(names, marks, marks[1:], strict=False)}
+    print(f"# step phases: {out}", file=sys.stderr, flush=True)  # seen even if killed later
+    return out
+
+
+KERNEL_CLASSES = [  # (class, substrings of a CUDA kernel's name), first match wins
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk")),
+    ("attention (flex)", ("flex", "triton_tem")),
+    ("liger", ("_rms_norm", "rope", "swiglu", "liger", "silu_mul")),
+    ("inductor fused", ("triton_poi", "triton_red", "triton_per")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("communication", ("nccl",)),
+    ("copy/cast", ("copy", "memcpy", "memset", "cat", "fill", "index", "gather", "scatter")),
+    ("reduction", ("reduce", "softmax", "logsumexp", "norm")),
+    ("elementwise", ("elementwise", "vectorized")),
+]
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def profile_step(step, sync, trace: str | None) -> dict:
+    """One step under torch.profiler: GPU time per kernel class, the top kernels, and the
+    fraction of the step's wall time some kernel was running (launch-bound if low)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        step()
+        sync()
+        wall_ms = (time.perf_counter() - t) * 1e3
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            acc = by_name.setdefault(e.name, [0.0, 0])
+            acc[0] += e.time_range.elapsed_us() / 1e3
+            acc[1] += 1
+    classes: dict[str, float] = {}
+    for n, (ms, _) in by_name.items():
+        classes[kernel_class(n)] = classes.get(kernel_class(n), 0.0) + ms
+    busy = sum(classes.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]
+    if trace:
+        prof.export_chrome_trace(trace)
+    return {
+        "wall_ms": round(wall_ms, 1),
+        "kernel_ms": round(busy, 1),
+        "classes_ms": {k: round(v, 1) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [[n[:90], round(ms, 2), c] for n, (ms, c) in top],
+    }
 
 
 def one_figure(
-    args, name: str, folder: str, rows: int, attention: str, share: bool, ac: bool | None
-) -> dict:
+    args, name: str, folder: str, rows: int, attention: str, share: bool, ac: bool | None,
+    kernels: str = "eager",
+) -> dict:  # fmt: skip
     import torch
 
     from async_grpo.config import LossConfig, TrainerConfig
@@ -117,8 +178,13 @@ def one_figure(
         activation_checkpointing=ac,
         attention=attention,
         logprob_chunk_size=args.chunk,
+        kernels=kernels,
     )
+    t_build = time.perf_counter()
     policy = build_policy(folder, cfg, device, 1, backend)
+    build_s = time.perf_counter() - t_build
+    print(f"# {name} {rows} {attention} {kernels}: policy built in {build_s:.1f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
     opt, _ = build_optimizer(policy, cfg)
     loss_fn = build_loss(LossConfig(), 512)
     samples = groups_for_row(rows, SHAPES[name]["vocab_size"], share)
@@ -128,16 +194,27 @@ def one_figure(
         torch.cuda.reset_peak_memory_stats()
 
     def step() -> None:
-        logp, _ = policy(batch, False)
+        logp, _ = policy(batch, True)  # with entropy, as the trainer
         loss, _ = loss_fn(logp, batch, 1, 1, None, 1)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    t_mask = time.perf_counter()
+    backend.mask(batch, policy.precision.torch_dtype)  # the first one compiles its builder
+    sync()
+    mask_s = round(time.perf_counter() - t_mask, 4)
+    first = {"mask_s": mask_s, **phase_seconds(policy, batch, loss_fn, opt, sync)}
+    first["graphs_compiled"] = counters["stats"]["unique_graphs"] - graphs
+    if first["forward_s"] > 10:  # where a long compile went, per compiler stage
+        print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr, flush=True)
+    for _ in range(args.warmup - 1):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -164,9 +241,17 @@ def one_figure(
         if device.type == "cuda"
         else None,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu_name(),
+        "kernels": kernels,
+        "build_s": round(build_s, 2),
+        "first_step": first,
     }
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fig["phases"] = phase_seconds(policy, batch, loss_fn, opt, sync)
+    if args.profile:
+        trace = None
+        if args.trace_dir:
+            tag = f"{name}-{tokens}-{backend.name}-{'shared' if share else 'unshared'}-{kernels}"
+            trace = os.path.join(args.trace_dir, f"trace-{tag}.json")
+        fig["profile"] = profile_step(step, sync, trace)
     return fig
 
 
@@ -188,8 +273,11 @@ def main() -> None:
     ap.add_argument("--share", default="false,true")
     ap.add_argument("--ac", default="auto", help="activation checkpointing: auto,true,false")
     ap.add_argument("--chunk", type=int, default=1024, help="trainer.logprob_chunk_size")
+    ap.add_argument("--kernels", default="eager", help="trainer.kernels: eager,liger,compile")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="steps before timing (>= 1)")
+    ap.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
+    ap.add_argument("--trace-dir", help="with --profile: write each step's chrome trace here")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,15 +293,18 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as root:
         for name in args.models.split(","):
-            folder = model_folder(name, root)
+            folder = model_folder(name, root, args.device)
             for rows in map(int, args.rows.split(",")):
                 for attention in args.attention.split(","):
-                    for share, ac in itertools.product(
+                    for share, ac, kernels in itertools.product(
                         [s == "true" for s in args.share.split(",")],
                         [None if a == "auto" else a == "true" for a in args.ac.split(",")],
+                        args.kernels.split(","),
                     ):
                         try:
-                            fig = one_figure(args, name, folder, rows, attention, share, ac)
+                            fig = one_figure(
+                                args, name, folder, rows, attention, share, ac, kernels
+                            )
                         except ValueError as e:  # a backend that cannot run here
                             fig = {"model": name, "row_tokens": rows, "attention": attention,
                                    "shared_prompts": share, "skipped": str(e)}  # fmt: skip

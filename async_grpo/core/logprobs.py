@@ -9,7 +9,9 @@ ever exist besides the inputs:
 - `logprobs_from_hidden` (what the trainer uses) applies the LM head per chunk inside a
   custom autograd Function: forward keeps only the log-sum-exp [T]; backward recomputes each
   chunk's logits and writes d(loss)/d(logits) in place (about two [C, V] fp32 buffers), then
-  multiplies it into the hidden and weight gradients. Full logits never exist.
+  multiplies it into the hidden and weight gradients. Full logits never exist. With
+  `fused` (the trainer's choice for trainer.kernels liger/compile) each chunk's maths is one
+  compiled kernel per direction instead of several fp32 passes (docs/gpu-kernels.md).
 - `logprobs_from_logits` takes logits a model already built; each chunk is cast to fp32
   under `torch.utils.checkpoint`, so the fp32 copies exist one chunk at a time.
 bench/chunked_logprobs_memory.py measures the difference. Targets at ignored positions
@@ -42,40 +44,102 @@ def _chunk_stats(
     return logp, entropy
 
 
-def _scaled_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """A fresh fp32-or-wider logits buffer [C, V] for one chunk, divided by the temperature."""
-    logits = hidden @ weight.T  # [C, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [C, V]
-    return logits.div_(temperature) if temperature != 1.0 else logits
+def _fused_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+    """(log p(target), lse, entropy or zeros) [C] of one chunk of logits [C, V], written to be
+    compiled: one pass over the logits, no [C, V] temporaries in fp32."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [C, V]
+    lse = torch.logsumexp(x, dim=-1)  # [C]
+    logp = x.gather(-1, targets[:, None])[:, 0] - lse  # [C]
+    if with_entropy:
+        ent = -((x - lse[:, None]).exp() * (x - lse[:, None])).sum(-1)  # [C]
+    else:
+        ent = torch.zeros_like(lse)
+    return logp, lse, ent
+
+
+def _fused_grad(logits, targets, lse, ent, g_logp, g_ent, temperature: float, with_entropy: bool):
+    """d(loss)/d(logits) [C, V] in the logits' dtype for one chunk (the eager backward's
+    maths, written to be compiled into one kernel)."""
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    lp = logits.to(wide) / temperature - lse[:, None]  # [C, V] log-probs
+    p = lp.exp()  # [C, V]
+    g = -g_logp[:, None] * p
+    if with_entropy:
+        g = g - g_ent[:, None] * p * (lp + ent[:, None])
+    vocab = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+    g = g + (vocab[None, :] == targets[:, None]) * g_logp[:, None]  # + onehot * g_logp
+    return (g / temperature).to(logits.dtype)
+
+
+_fused: dict[str, Any] = {}
+
+
+def _fused_fns() -> tuple[Any, Any]:
+    """The two chunk functions compiled once per process (shapes: the chunk size, and the
+    last chunk's, which become dynamic after the first recompile)."""
+    if not _fused:
+        _fused["stats"] = torch.compile(_fused_stats)
+        _fused["grad"] = torch.compile(_fused_grad)
+    return _fused["stats"], _fused["grad"]
+
+
+def _eager_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+    """`_fused_stats` in place on one fp32-or-wider copy of the chunk's logits."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [C, V] fresh
+    x = x.div_(temperature) if temperature != 1.0 else x
+    lse = torch.logsumexp(x, dim=-1)  # [C]
+    logp = x.gather(-1, targets[:, None])[:, 0] - lse  # [C]
+    if not with_entropy:
+        return logp, lse, torch.zeros_like(lse)
+    x -= lse[:, None]  # log-probs, in place
+    return logp, lse, -(x.exp() * x).sum(-1)  # [C]
+
+
+def _eager_grad(logits, targets, lse, ent, g_logp, g_ent, temperature: float, with_entropy: bool):
+    """`_fused_grad` in place: about two [C, V] fp32 buffers."""
+    lp = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [C, V] fresh
+    lp = lp.div_(temperature) if temperature != 1.0 else lp
+    lp.sub_(lse[:, None])  # log-probs
+    p = lp.exp()  # [C, V]
+    if with_entropy:
+        lp.add_(ent[:, None]).mul_(p).mul_(-g_ent[:, None])  # dH part, in place
+        p.mul_(-g_logp[:, None]).add_(lp)  # [C, V]
+    else:
+        p.mul_(-g_logp[:, None])  # [C, V]
+    del lp
+    p.scatter_add_(-1, targets[:, None], g_logp[:, None])  # + onehot * g_logp
+    if temperature != 1.0:
+        p.div_(temperature)
+    return p.to(logits.dtype)  # [C, V] d loss / d logits
 
 
 class _HiddenLogprobs(torch.autograd.Function):
-    """log p(targets) and entropy from hidden [T, H] and weight [V, H], chunk by chunk.
+    """log p(targets) and entropy from hidden [T, H] and weight [V, H], chunk by chunk; each
+    chunk's maths eager and in place, or `fused` (compiled).
 
     d logp_t / d x_tv = onehot_tv - p_tv;  d H_t / d x_tv = -p_tv * (log p_tv + H_t),
     for x = logits / temperature; the chain rule then divides by the temperature."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, fused):
+        stats = _fused_fns()[0] if fused else _eager_stats
         logps, ents, lses = [], [], []
         for s in range(0, targets.numel(), chunk_size):
-            x = _scaled_logits(hidden[s : s + chunk_size], weight, temperature)  # [C, V]
-            lse = torch.logsumexp(x, dim=-1)  # [C]
-            logps.append(x.gather(-1, targets[s : s + chunk_size, None])[:, 0] - lse)  # [C]
+            logits = hidden[s : s + chunk_size] @ weight.T  # [C, V] model dtype
+            logp, lse, ent = stats(logits, targets[s : s + chunk_size], temperature, with_entropy)
+            logps.append(logp)
             lses.append(lse)
-            if with_entropy:
-                x -= lse[:, None]  # log-probs, in place
-                ents.append(-(x.exp() * x).sum(-1))  # [C]
-        logp = torch.cat(logps)  # [T]
-        ent = torch.cat(ents) if with_entropy else torch.zeros_like(logp)  # [T]
+            ents.append(ent)
+        logp, ent = torch.cat(logps), torch.cat(ents)  # [T]
         ctx.save_for_backward(hidden, weight, targets, torch.cat(lses), ent)
-        ctx.config = (temperature, chunk_size, with_entropy)
+        ctx.config = (temperature, chunk_size, with_entropy, fused)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        temperature, chunk_size, with_entropy = ctx.config
+        temperature, chunk_size, with_entropy, fused = ctx.config
+        grad_fn = _fused_fns()[1] if fused else _eager_grad
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # [T, H]
         acc = torch.promote_types(weight.dtype, torch.float32)
         need_w = ctx.needs_input_grad[1]
@@ -83,24 +147,22 @@ class _HiddenLogprobs(torch.autograd.Function):
         for s in range(0, targets.numel(), chunk_size):
             e = s + chunk_size
             h = hidden[s:e]  # [C, H]
-            lp = _scaled_logits(h, weight, temperature).sub_(lse[s:e, None])  # [C, V]
-            p = lp.exp()  # [C, V]
-            if with_entropy:
-                lp.add_(ent[s:e, None]).mul_(p).mul_(-g_ent[s:e, None])  # dH part, in place
-                p.mul_(-g_logp[s:e, None]).add_(lp)  # [C, V]
-            else:
-                p.mul_(-g_logp[s:e, None])  # [C, V]
-            del lp
-            p.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None])  # + onehot * g_logp
-            if temperature != 1.0:
-                p.div_(temperature)
-            g = p.to(weight.dtype)  # [C, V] d loss / d logits
+            g = grad_fn(
+                h @ weight.T,
+                targets[s:e],
+                lse[s:e],
+                ent[s:e],
+                g_logp[s:e],
+                g_ent[s:e],
+                temperature,
+                with_entropy,
+            )  # fmt: skip  [C, V] d loss / d logits
             if grad_h is not None:
                 grad_h[s:e] = g @ weight  # [C, H]
             if grad_w is not None:
                 grad_w += (g.T @ h).to(acc)  # [V, H]
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def logprobs_from_logits(
@@ -134,16 +196,19 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(log p(targets) [T], entropy [T] or None) from hidden [T, H] and weight [V, H];
-    logits are built per chunk only, in the forward and again in the backward."""
+    logits are built per chunk only, in the forward and again in the backward. `fused`: the
+    per-chunk maths runs as compiled kernels (one read of each chunk's logits), the trainer's
+    choice on CUDA; otherwise eager, in place."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if targets.numel() == 0:
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         return empty, (empty if with_entropy else None)  # [0]
     logp, ent = _HiddenLogprobs.apply(
-        hidden, lm_head_weight, targets, temperature, chunk_size, with_entropy
+        hidden, lm_head_weight, targets, temperature, chunk_size, with_entropy, fused
     )
     return logp, (ent if with_entropy else None)
 
@@ -155,6 +220,7 @@ def batch_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     attention: Any = None,
+    fused_head: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [T] (0 off `batch.loss_mask`) of a Hugging Face causal LM on a packed batch,
     via `model.model` hidden states and the chunked LM head (models whose head is a bias-free
@@ -166,7 +232,7 @@ def batch_logprobs(
     hidden = packed_hidden(model, batch, attention)  # [T, H]
     targets = batch.labels[0].clamp(min=0)  # [T]
     logp, ent = logprobs_from_hidden(
-        hidden, head.weight, targets, temperature, chunk_size, with_entropy
+        hidden, head.weight, targets, temperature, chunk_size, with_entropy, fused_head
     )
     mask = batch.loss_mask  # [T]
     logp = logp * mask  # [T]

@@ -47,23 +47,74 @@ class Policy(nn.Module):
         self.attention = attention or DenseAttention()
         self.precision = Precision("float32", "default")
         self.checkpointing = False
+        self.fused_head = False  # the LM head's per-chunk maths as compiled kernels
 
     def forward(self, batch: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs of a batch already `self.attention.prepare`d."""
         return batch_logprobs(
-            self.hf, batch, self.temperature, self.chunk_size, with_entropy, self.attention
+            self.hf, batch, self.temperature, self.chunk_size, with_entropy, self.attention,
+            self.fused_head,
+        )  # fmt: skip
+
+
+def apply_liger(hf: nn.Module) -> None:
+    """Liger-Kernel's Triton RMSNorm, rotary and SwiGLU on this model instance only.
+
+    Liger also swaps classes and the rotary function in the model's transformers module,
+    which would reach every model this process builds later (a CPU one included, where
+    Triton cannot run): the classes are put back, and the rotary function dispatches on the
+    device. The LM head stays ours (per-token log-probs, not a loss)."""
+    import sys
+
+    from liger_kernel.transformers.monkey_patch import (
+        MODEL_TYPE_TO_APPLY_LIGER_FN,
+        _apply_liger_kernel_to_instance,
+    )
+
+    model_type = hf.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(
+            f"trainer.kernels: liger-kernel has no kernels for model type {model_type!r};"
+            " use eager or compile"
         )
+    module = sys.modules[type(hf).__module__]  # e.g. transformers...modeling_qwen2
+    before = dict(vars(module))
+    _apply_liger_kernel_to_instance(
+        hf, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+        fused_linear_cross_entropy=False,
+    )  # fmt: skip
+    swapped = {k: v for k, v in vars(module).items() if before.get(k, v) is not v}
+    for name in swapped:
+        setattr(module, name, before[name])
+    rope = swapped.get("apply_rotary_pos_emb")
+    if rope is not None:
+        module.apply_rotary_pos_emb = _on_cuda(rope, before["apply_rotary_pos_emb"])
 
 
-def checkpoint_layers(layers: nn.ModuleList) -> None:
-    """Recompute each decoder layer's forward in the backward (non-reentrant checkpoint).
-    The layer's own `forward` is wrapped, so module names, FSDP units and the state dict
-    stay exactly those of the Hugging Face model."""
+def _on_cuda(fast: Any, plain: Any) -> Any:
+    """`fast` for CUDA tensors, `plain` for any other."""
+
+    def call(q: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (fast if q.is_cuda else plain)(q, *args, **kwargs)
+
+    call.__wrapped__ = plain
+    return call
+
+
+def wrap_layers(layers: nn.ModuleList, checkpointing: bool, compile: bool) -> None:
+    """Each decoder layer's own `forward` is wrapped, so module names, FSDP units and the
+    state dict stay exactly those of the Hugging Face model (FSDP2's hooks stay outside).
+    `checkpointing`: recompute the forward in the backward (non-reentrant checkpoint).
+    `compile`: torch.compile the (checkpointed) forward; one graph serves every layer."""
     from torch.utils.checkpoint import checkpoint
 
     for layer in layers:
-        inner = layer.forward
-        layer.forward = functools.partial(checkpoint, inner, use_reentrant=False)
+        fn = layer.forward
+        if checkpointing:
+            fn = functools.partial(checkpoint, fn, use_reentrant=False)
+        if compile:
+            fn = torch.compile(fn, dynamic=False)
+        layer.forward = fn
 
 
 def build_policy(
@@ -96,15 +147,20 @@ def build_policy(
     policy.precision = resolve_dtype(requested, device.type)
     ac = cfg.activation_checkpointing
     policy.checkpointing = device.type == "cuda" if ac is None else ac
-    if policy.checkpointing:
-        checkpoint_layers(hf.model.layers)
+    if cfg.kernels == "liger":
+        apply_liger(hf)
+    wrap_layers(hf.model.layers, policy.checkpointing, cfg.kernels == "compile")
+    policy.fused_head = cfg.kernels != "eager"
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(
         param_dtype=policy.precision.torch_dtype, reduce_dtype=getattr(torch, cfg.dtype)
     )
+    # One rank: nothing to free by resharding, so the backward reuses the forward's
+    # gathered (cast) parameters instead of gathering them again.
+    reshard = world_size > 1
     for layer in hf.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     policy.to_empty(device=device)
     load_shards(policy, Path(model_dir))
     return policy
@@ -175,9 +231,15 @@ def _shard_start(rows: int, mesh: Any) -> int:
 
 
 def build_optimizer(policy: Policy, cfg: TrainerConfig) -> tuple[Any, Any]:
-    """AdamW and a linear-warmup-then-constant LR schedule."""
+    """AdamW (one fused kernel per step on CUDA) and a linear-warmup-then-constant schedule."""
+    params = list(policy.parameters())
     opt = torch.optim.AdamW(
-        policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+        params,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        fused=bool(params) and params[0].device.type == "cuda",
     )
     warmup = max(cfg.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -24,9 +24,13 @@ _compiled: dict[str, Any] = {}
 
 
 def _kernel(compile: bool) -> Any:
+    """flex_attention, compiled once per process where asked. Inside a region being compiled
+    (trainer.kernels=compile) the plain function is traced into that graph, and nothing is
+    created there: a new cache entry would be a side effect that activation checkpointing
+    refuses to replay, and the whole layer would fall back to eager."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if not compile:
+    if not compile or torch.compiler.is_compiling():
         return flex_attention
     if "flex" not in _compiled:
         _compiled["flex"] = torch.compile(flex_attention, dynamic=False)
