@@ -227,7 +227,10 @@ def test_in_flight_push_labels_each_token_with_the_weights_that_sampled_it(
     new = {n: p.detach().clone() for n, p in policy.named_parameters()}
     mixed = [c for c in completions if c.token_versions is not None]
     assert mixed, "no request was running across the push"
-    assert timings["worker_drain_s/max"] < 1.0  # the push did not wait for them
+    # the push did not wait for them: a request sampled tokens under both versions (a timed
+    # bound on the drain failed on a loaded machine, 1.37 s, while meaning the same)
+    assert any({version, version + 1} <= set(c.token_versions) for c in mixed)
+    assert timings["worker_version/min"] == version + 1
     for c in completions:
         per_token = c.token_versions or [c.policy_version] * len(c.token_ids)
         assert set(per_token) <= {version, version + 1}
