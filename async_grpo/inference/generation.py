@@ -25,6 +25,7 @@ import torch
 
 from async_grpo.config import GenerationConfig
 from async_grpo.faults import fault_point
+from async_grpo.inference.owner import claim_engine_processes
 from async_grpo.inference.types import (
     CPU_LINEAR_ENV,
     Completion,
@@ -120,6 +121,7 @@ class GenerationWorker(RegisteredWorker):
             disable_log_stats=True,
             **cpu_scheduler_args(c, self.device),
         )
+        claim_engine_processes()  # they end with this actor, however it ends
         self.engine = AsyncLLM.from_engine_args(args)
         (self.weight_reload,) = set(await self.engine.collective_rpc("async_grpo_reload_kind"))
         print(f"{self.worker_id}: weight updates load {self.weight_reload}", flush=True)

@@ -29,6 +29,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from async_grpo.inference.owner import exit_with_owner
 from async_grpo.inference.types import CPU_LINEAR_ENV
 from async_grpo.transports.base import TensorMeta, unpack
 from async_grpo.transports.select import open_receiver
@@ -60,6 +61,7 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        exit_with_owner()  # this process holds the transport: it must not outlive its actor
         self.receiver: Any = None
         self._in_place = False  # this update writes into the weights where they are
 

@@ -236,7 +236,10 @@ class WeightPusher:
         self.group.close()
         self.group = None
         alive = {w: r for w, r in refs.items() if w not in self.lost}
-        self._wait(alive, f"load weight chunk {k}", allow_lost=True)  # who it was
+        # who it was. A member whose receive the teardown did not end fails at its own group
+        # timeout (timeout_s, from when it began to receive): outwait that, or give up on the
+        # whole push moments before the member would have come back
+        self._wait(alive, f"load weight chunk {k}", allow_lost=True, timeout_s=self.timeout_s + 30)
         raise GroupBroken(failed)
 
     def _live_workers(self) -> dict[str, Any]:
@@ -345,22 +348,25 @@ class WeightPusher:
         what: str,
         allow_lost: bool = False,
         stop_on_broken: bool = False,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        """Each worker's answer; a worker that died meanwhile is dropped (`_lose`) and has
-        none. GroupBroken if it was in the broadcast group (unless `allow_lost`): at once,
-        without waiting for the others, with `stop_on_broken`."""
+        """Each worker's answer within `timeout_s` (default: the push's); a worker that died
+        meanwhile is dropped (`_lose`) and has none. GroupBroken if it was in the broadcast
+        group (unless `allow_lost`): at once, without waiting for the others, with
+        `stop_on_broken`."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         owner = {ref: wid for wid, ref in refs.items()}
-        pending, deadline = list(refs.values()), time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        pending, deadline = list(refs.values()), time.monotonic() + timeout_s
         answers, broken = {}, []
         while pending:
             left = max(0.0, deadline - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not ready:
                 late = [owner[r] for r in pending]
-                raise TimeoutError(f"workers {late} did not {what} within {self.timeout_s:.0f}s")
+                raise TimeoutError(f"workers {late} did not {what} within {timeout_s:.0f}s")
             (ref,) = ready
             wid = owner[ref]
             try:

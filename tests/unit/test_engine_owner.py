@@ -1,0 +1,67 @@
+"""An engine process ends with the actor that owns it (async_grpo/inference/owner.py), across
+real processes: an owner spawns an "engine" that ignores SIGTERM and sleeps, as a stuck
+engine core would; the owner is SIGKILLed; the engine must be gone within seconds. The same
+engine without the watchdog outlives its owner (so the test can tell the two apart)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ENGINE = """
+import os, signal, sys, time
+from async_grpo.inference.owner import exit_with_owner
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if sys.argv[1] == "watch":
+    assert exit_with_owner(poll_s=0.1)
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+OWNER = """
+import subprocess, sys, time
+from async_grpo.inference.owner import claim_engine_processes
+claim_engine_processes()
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+print(engine.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def _engine_under_a_killed_owner(mode: str) -> tuple[int, bool]:
+    """(engine pid, whether it is still running 5 s after its owner was SIGKILLed)."""
+    from async_grpo.inference.owner import alive
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, ENGINE, mode], stdout=subprocess.PIPE, text=True
+    )
+    engine = int(owner.stdout.readline())
+    assert alive(engine)
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait(timeout=30)
+    deadline = time.monotonic() + 5
+    while alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine, alive(engine)
+
+
+@pytest.mark.parametrize("mode", ["watch", "none"])
+def test_an_engine_process_ends_with_its_owner(mode):
+    engine, still_running = _engine_under_a_killed_owner(mode)
+    if still_running:
+        os.kill(engine, signal.SIGKILL)
+    assert still_running == (mode == "none")
+
+
+def test_no_watch_without_an_owner_or_in_the_owner(monkeypatch):
+    from async_grpo.inference.owner import OWNER_ENV, exit_with_owner
+
+    monkeypatch.delenv(OWNER_ENV, raising=False)
+    assert not exit_with_owner()
+    monkeypatch.setenv(OWNER_ENV, str(os.getpid()))
+    assert not exit_with_owner()
