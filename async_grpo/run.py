@@ -9,6 +9,7 @@ Ray head and the ranks' shared-memory weight files (no orphan raylets, engines o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -134,7 +135,20 @@ class LocalHead:
     """A private Ray head node in the foreground (`ray start --block`): ending the process
     ends exactly this cluster."""
 
+    TRIES = 3  # a free port can be taken before the head binds it (another run starting)
+
     def __init__(self, num_cpus: int, object_store_bytes: int) -> None:
+        for tries_left in reversed(range(self.TRIES)):
+            error = self._start(num_cpus, object_store_bytes)
+            if error is None:
+                return
+            shutil.rmtree(self.temp, ignore_errors=True)
+            if not tries_left:
+                raise RuntimeError(f"ray head exited: {error[-2000:]}")
+
+    def _start(self, num_cpus: int, object_store_bytes: int) -> str | None:
+        """Start the head on a free port; None once it listens, or its stderr if it exited
+        (the GCS fails to start when another process took the port first)."""
         self.port = _free_port()
         self.temp = tempfile.mkdtemp(prefix="agr", dir="/tmp")  # Unix socket paths are short
         ray_bin = str(Path(sys.executable).with_name("ray"))
@@ -159,10 +173,12 @@ class LocalHead:
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray head exited: {self.proc.stderr.read().decode()[-2000:]}")
+                with contextlib.suppress(ProcessLookupError):  # what it started before failing
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                return self.proc.stderr.read().decode()
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
+                return None
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()

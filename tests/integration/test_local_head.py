@@ -1,0 +1,38 @@
+"""The private Ray head of `async-grpo run` (`run.LocalHead`), started for real."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import async_grpo.run as run
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_head_whose_port_was_taken_starts_again_on_another(monkeypatch):
+    """Between picking a free port and the head binding it, another process (a second run
+    starting, the other pytest worker) can take it; the GCS then fails and the head exits
+    (seen in the default test run). The head is started again on a fresh port, and a real
+    cluster answers there. The failed start takes about 40 s: the GCS retries the port."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # bound, not listening: nothing answers there
+    taken_port = taken.getsockname()[1]
+    ports = iter([taken_port])
+    real = run._free_port
+    monkeypatch.setattr(run, "_free_port", lambda: next(ports, None) or real())
+    try:
+        head = run.LocalHead(num_cpus=1, object_store_bytes=80 << 20)
+    finally:
+        taken.close()
+    try:
+        assert head.port != taken_port
+        cmd = "import ray; ray.init(address='{}'); print(ray.cluster_resources()['CPU'])"
+        out = subprocess.run(
+            [sys.executable, "-c", cmd.format(head.address)], capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert out.stdout.strip().endswith("1.0"), out.stderr[-2000:]
+    finally:
+        head.stop()
