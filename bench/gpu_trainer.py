@@ -127,7 +127,7 @@ def kernel_class(name: str) -> str:
 
 def profile_step(step, sync, trace: str | None) -> dict:
     """One step under torch.profiler: GPU time per kernel class, the top kernels, and the
-    fraction of the step's wall time some kernel was running (launch-bound if low)."""
+    step's wall time beside its kernels' total (launch-bound if the kernels fill little)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -145,7 +145,8 @@ def profile_step(step, sync, trace: str | None) -> dict:
             acc[1] += 1
     classes: dict[str, float] = {}
     for n, (ms, _) in by_name.items():
-        classes[kernel_class(n)] = classes.get(kernel_class(n), 0.0) + ms
+        cls = kernel_class(n)
+        classes[cls] = classes.get(cls, 0.0) + ms
     busy = sum(classes.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]
     if trace:

@@ -50,11 +50,10 @@ def _fused_stats(logits: Tensor, targets: Tensor, temperature: float, with_entro
     x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [C, V]
     lse = torch.logsumexp(x, dim=-1)  # [C]
     logp = x.gather(-1, targets[:, None])[:, 0] - lse  # [C]
-    if with_entropy:
-        ent = -((x - lse[:, None]).exp() * (x - lse[:, None])).sum(-1)  # [C]
-    else:
-        ent = torch.zeros_like(lse)
-    return logp, lse, ent
+    if not with_entropy:
+        return logp, lse, torch.zeros_like(lse)
+    lp = x - lse[:, None]  # [C, V] log-probs
+    return logp, lse, -(lp.exp() * lp).sum(-1)  # [C]
 
 
 def _fused_grad(logits, targets, lse, ent, g_logp, g_ent, temperature: float, with_entropy: bool):
@@ -84,7 +83,8 @@ def _fused_fns() -> tuple[Any, Any]:
 
 
 def _eager_stats(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
-    """`_fused_stats` in place on one fp32-or-wider copy of the chunk's logits."""
+    """`_fused_stats` in place: `logits` is the chunk's fresh matmul output, overwritten
+    when it is already fp32 or wider (else one widened copy is)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [C, V] fresh
     x = x.div_(temperature) if temperature != 1.0 else x
     lse = torch.logsumexp(x, dim=-1)  # [C]
@@ -96,7 +96,8 @@ def _eager_stats(logits: Tensor, targets: Tensor, temperature: float, with_entro
 
 
 def _eager_grad(logits, targets, lse, ent, g_logp, g_ent, temperature: float, with_entropy: bool):
-    """`_fused_grad` in place: about two [C, V] fp32 buffers."""
+    """`_fused_grad` in place, on fresh `logits` as `_eager_stats`: about two [C, V] fp32
+    buffers."""
     lp = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [C, V] fresh
     lp = lp.div_(temperature) if temperature != 1.0 else lp
     lp.sub_(lse[:, None])  # log-probs

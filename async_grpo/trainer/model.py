@@ -97,7 +97,6 @@ def _on_cuda(fast: Any, plain: Any) -> Any:
     def call(q: Tensor, *args: Any, **kwargs: Any) -> Any:
         return (fast if q.is_cuda else plain)(q, *args, **kwargs)
 
-    call.__wrapped__ = plain
     return call
 
 
