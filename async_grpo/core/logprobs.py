@@ -20,6 +20,7 @@ bench/chunked_logprobs_memory.py measures the difference. Targets at ignored pos
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,45 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from async_grpo.core.packing import PackedBatch, packed_hidden
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a family does to the LM head's output before sampling, in vLLM's order:
+    `softcap * tanh(logits / softcap)` (Gemma-2's final soft-capping), then `* scale`
+    (Granite divides by `logits_scaling`, Cohere multiplies by `logit_scale`). The
+    temperature divides after it."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and not self.softcap
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """[C, V] -> [C, V]; a fresh tensor, so in-place chunk maths may follow."""
+        z = logits
+        if self.softcap:
+            z = torch.tanh(z / self.softcap).mul_(self.softcap)
+        return z * self.scale if self.scale != 1.0 else z
+
+    def backward(self, z: Tensor, grad_z: Tensor) -> Tensor:
+        """d loss / d logits from d loss / d z, z = apply(logits) [C, V]; in place."""
+        if self.softcap:
+            t = z / (self.scale * self.softcap)  # tanh(logits / softcap)  [C, V]
+            grad_z.mul_(1.0 - t * t)
+        return grad_z.mul_(self.scale) if self.scale != 1.0 else grad_z
+
+
+def head_transform(config: Any) -> HeadTransform:
+    """The `HeadTransform` a Hugging Face config asks for (identity for most families)."""
+    scale = 1.0
+    if getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)
+    if getattr(config, "logit_scale", None):
+        scale *= float(config.logit_scale)
+    return HeadTransform(scale, getattr(config, "final_logit_softcapping", None) or None)
 
 
 def _chunk_stats(
@@ -122,24 +162,24 @@ class _HiddenLogprobs(torch.autograd.Function):
     for x = logits / temperature; the chain rule then divides by the temperature."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, fused):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, fused, head):
         stats = _fused_fns()[0] if fused else _eager_stats
         logps, ents, lses = [], [], []
         for s in range(0, targets.numel(), chunk_size):
-            logits = hidden[s : s + chunk_size] @ weight.T  # [C, V] model dtype
+            logits = head.apply(hidden[s : s + chunk_size] @ weight.T)  # [C, V] model dtype
             logp, lse, ent = stats(logits, targets[s : s + chunk_size], temperature, with_entropy)
             logps.append(logp)
             lses.append(lse)
             ents.append(ent)
         logp, ent = torch.cat(logps), torch.cat(ents)  # [T]
         ctx.save_for_backward(hidden, weight, targets, torch.cat(lses), ent)
-        ctx.config = (temperature, chunk_size, with_entropy, fused)
+        ctx.config = (temperature, chunk_size, with_entropy, fused, head)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        temperature, chunk_size, with_entropy, fused = ctx.config
+        temperature, chunk_size, with_entropy, fused, head = ctx.config
         grad_fn = _fused_fns()[1] if fused else _eager_grad
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # [T, H]
         acc = torch.promote_types(weight.dtype, torch.float32)
@@ -148,8 +188,9 @@ class _HiddenLogprobs(torch.autograd.Function):
         for s in range(0, targets.numel(), chunk_size):
             e = s + chunk_size
             h = hidden[s:e]  # [C, H]
+            z = head.apply(h @ weight.T)  # [C, V]
             g = grad_fn(
-                h @ weight.T,
+                z if head.identity else z.clone(),  # the eager maths overwrite their input
                 targets[s:e],
                 lse[s:e],
                 ent[s:e],
@@ -157,13 +198,14 @@ class _HiddenLogprobs(torch.autograd.Function):
                 g_ent[s:e],
                 temperature,
                 with_entropy,
-            )  # fmt: skip  [C, V] d loss / d logits
+            )  # fmt: skip  [C, V] d loss / d z
+            g = g if head.identity else head.backward(z, g)  # d loss / d logits
             if grad_h is not None:
                 grad_h[s:e] = g @ weight  # [C, H]
             if grad_w is not None:
                 grad_w += (g.T @ h).to(acc)  # [V, H]
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def logprobs_from_logits(
@@ -198,18 +240,20 @@ def logprobs_from_hidden(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     fused: bool = False,
+    head: HeadTransform = HeadTransform(),
 ) -> tuple[Tensor, Tensor | None]:
     """(log p(targets) [T], entropy [T] or None) from hidden [T, H] and weight [V, H];
-    logits are built per chunk only, in the forward and again in the backward. `fused`: the
-    per-chunk maths runs as compiled kernels (one read of each chunk's logits), the trainer's
-    choice on CUDA; otherwise eager, in place."""
+    logits are built per chunk only, in the forward and again in the backward, and go
+    through the family's `head` transform. `fused`: the per-chunk maths runs as compiled
+    kernels (one read of each chunk's logits), the trainer's choice on CUDA; otherwise
+    eager, in place."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if targets.numel() == 0:
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         return empty, (empty if with_entropy else None)  # [0]
     logp, ent = _HiddenLogprobs.apply(
-        hidden, lm_head_weight, targets, temperature, chunk_size, with_entropy, fused
+        hidden, lm_head_weight, targets, temperature, chunk_size, with_entropy, fused, head
     )
     return logp, (ent if with_entropy else None)
 
@@ -224,8 +268,8 @@ def batch_logprobs(
     fused_head: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [T] (0 off `batch.loss_mask`) of a Hugging Face causal LM on a packed batch,
-    via `model.model` hidden states and the chunked LM head (models whose head is a bias-free
-    linear layer, as in Llama/SmolLM2; no logit soft-capping). `attention` is the model's
+    via `model.model` hidden states and the chunked LM head (a bias-free linear layer; the
+    family's soft-capping or scaling after it, `head_transform`). `attention` is the model's
     `AttentionBackend` (None: dense SDPA); `batch` must already be `attention.prepare`d."""
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
@@ -233,8 +277,9 @@ def batch_logprobs(
     hidden = packed_hidden(model, batch, attention)  # [T, H]
     targets = batch.labels[0].clamp(min=0)  # [T]
     logp, ent = logprobs_from_hidden(
-        hidden, head.weight, targets, temperature, chunk_size, with_entropy, fused_head
-    )
+        hidden, head.weight, targets, temperature, chunk_size, with_entropy, fused_head,
+        head_transform(model.config),
+    )  # fmt: skip
     mask = batch.loss_mask  # [T]
     logp = logp * mask  # [T]
     return logp, (ent * mask if ent is not None else None)

@@ -334,9 +334,10 @@ def block_causal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -
     return mask[None, None]  # [1, 1, T, T]
 
 
-def shared_prefix_mask(batch: PackedBatch) -> Tensor:
+def shared_prefix_mask(batch: PackedBatch, window: int | None = None) -> Tensor:
     """Boolean 4D mask [1, 1, T, T] (True = attend) for rows with shared prompts: a query
-    sees earlier keys of its own group that are its group's shared prefix or its own sample.
+    sees earlier keys of its own group that are its group's shared prefix or its own sample,
+    and with a sliding `window` only those fewer than `window` positions back.
     Boolean, so it suits any compute dtype."""
     group = torch.repeat_interleave(
         torch.arange(len(batch.seq_lens)), torch.tensor(batch.seq_lens)
@@ -346,6 +347,9 @@ def shared_prefix_mask(batch: PackedBatch) -> Tensor:
     causal = torch.ones(t, t, dtype=torch.bool, device=group.device).tril()  # [T, T]
     own = batch.sample_index[:, None] == batch.sample_index[None, :]  # [T, T]
     allowed = causal & (group[:, None] == group[None, :]) & (shared[None, :] | own)  # [T, T]
+    if window is not None:
+        pos = batch.position_ids[0].to(group.device)  # [T]
+        allowed &= (pos[:, None] - pos[None, :]) < window
     return allowed[None, None]  # [1, 1, T, T]
 
 
@@ -365,10 +369,11 @@ def packed_hidden(model: nn.Module, batch: PackedBatch, attention: Any = None) -
 
 def _model_inputs(model: nn.Module, batch: PackedBatch, attention: Any) -> dict[str, Any]:
     inputs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
-    if attention is not None:
-        mask = attention.mask(batch, next(model.parameters()).dtype)
-    else:
-        mask = shared_prefix_mask(batch) if batch.needs_explicit_mask else None  # [1, 1, T, T]
+    if attention is None:
+        from async_grpo.core.attention import DenseAttention
+
+        attention = DenseAttention()
+    mask = attention.mask(batch, next(model.parameters()).dtype, model.config)
     if mask is not None:
         inputs["attention_mask"] = mask
     return inputs

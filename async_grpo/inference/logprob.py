@@ -61,7 +61,7 @@ class LogprobWorker(RegisteredWorker):
         self.attention: Any = None
 
     async def start(self, register: bool = True) -> str:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         from async_grpo.core.attention import select_attention
         from async_grpo.precision import resolve_dtype
@@ -77,11 +77,12 @@ class LogprobWorker(RegisteredWorker):
             f" {self.attention.name} ({why})",
             flush=True,
         )
+        config = await asyncio.to_thread(AutoConfig.from_pretrained, self.model_dir)
         self.model = await asyncio.to_thread(
             AutoModelForCausalLM.from_pretrained,
             self.model_dir,
             dtype=precision.torch_dtype,
-            attn_implementation=self.attention.hf_implementation,
+            attn_implementation=self.attention.implementation(config),
         )
         self.model.to(self.device).eval().requires_grad_(False)
         self.max_len = self.model.config.max_position_embeddings

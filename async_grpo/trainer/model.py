@@ -25,6 +25,7 @@ from async_grpo.core.attention import AttentionBackend, DenseAttention
 from async_grpo.core.logprobs import batch_logprobs
 from async_grpo.core.packing import PackedBatch
 from async_grpo.precision import Precision, resolve_dtype
+from async_grpo.trainer.weight_names import converted_sources
 
 PREFIX = "hf."
 
@@ -137,7 +138,9 @@ def build_policy(
     config.use_cache = False
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, cfg.dtype), attn_implementation=attention.hf_implementation
+            config,
+            dtype=getattr(torch, cfg.dtype),
+            attn_implementation=attention.implementation(config),
         )
     policy = Policy(hf, cfg.loss.temperature, cfg.logprob_chunk_size, attention)
     requested = cfg.compute_dtype or cfg.dtype
@@ -183,18 +186,26 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
 def load_shards(policy: Policy, model_dir: Path) -> None:
     """Fill the sharded (materialised, uninitialised) policy from `model_dir`: each rank
     reads only the rows of its own dim-0 shard of every parameter (`get_slice`), then
-    recomputes the non-persistent buffers (rotary tables) from the config."""
+    computes the non-persistent buffers from the config (`_compute_buffers`)."""
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, Shard
 
     files = _weight_files(model_dir)
     params = dict(policy.named_parameters())  # tied weights appear once
-    missing = [n for n in params if n.removeprefix(PREFIX) not in files]
+    converted = {
+        n: found
+        for n in params
+        if n.removeprefix(PREFIX) not in files
+        and (found := converted_sources(policy.hf, n.removeprefix(PREFIX), files))
+    }
+    missing = [n for n in params if n.removeprefix(PREFIX) not in files and n not in converted]
     tied = policy.hf.config.tie_word_embeddings
     if tied and missing == [f"{PREFIX}lm_head.weight"]:
         missing = []  # the LM head is the (already loaded) embedding
     if missing:
         raise KeyError(f"{model_dir}: no weights for {missing[:3]}")
+    with torch.no_grad():
+        for name, found in converted.items():
+            _copy_rows(params[name], lambda rows, f=found: f.load(files)[rows])
     by_file: dict[Path, list[str]] = {}
     for name in params:
         key = name.removeprefix(PREFIX)
@@ -204,23 +215,42 @@ def load_shards(policy: Policy, model_dir: Path) -> None:
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
-                    param = params[name]
-                    rows = f.get_slice(name.removeprefix(PREFIX))
-                    if isinstance(param, DTensor):
-                        if tuple(param.placements) != (Shard(0),):
-                            raise ValueError(
-                                f"{name}: expected a dim-0 shard, got {param.placements}"
-                            )
-                        local = param.to_local()  # [rows of this rank, ...]
-                        start = _shard_start(param.shape[0], param.device_mesh)
-                        local.copy_(rows[start : start + local.shape[0]])
-                    else:
-                        param.copy_(rows[:])
-        for module in policy.hf.modules():
-            if getattr(module, "_non_persistent_buffers_set", None):
-                policy.hf._init_weights(module)  # transformers recomputes rotary tables here
+                    _copy_rows(params[name], f.get_slice(name.removeprefix(PREFIX)).__getitem__)
+    _compute_buffers(policy.hf)
     if tied:
         policy.hf.tie_weights()
+
+
+def _compute_buffers(hf: nn.Module) -> None:
+    """The buffers the config determines (rotary tables of each kind, embedding scales), as
+    transformers' own load computes them: every loaded tensor is marked initialised, and
+    `initialize_weights` then fills only what is not (a module's `_init_weights` would
+    also re-draw its loaded weights, e.g. Gemma's scaled embedding)."""
+    for module in hf.modules():
+        module.__dict__.pop("_is_hf_initialized", None)  # set when the model was built
+    for tensor in [*hf.parameters(), *hf.buffers()]:
+        tensor._is_hf_initialized = True
+    for module in hf.modules():
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                buffer._is_hf_initialized = False
+    hf.initialize_weights()
+
+
+def _copy_rows(param: Tensor, rows: Any) -> None:
+    """Fill `param` (a dim-0 shard, or whole) from `rows(slice)`, which reads just those
+    rows of the stored tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        param.copy_(rows(slice(None)))
+        return
+    if tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"expected a dim-0 shard, got {param.placements}")
+    local = param.to_local()  # [rows of this rank, ...]
+    start = _shard_start(param.shape[0], param.device_mesh)
+    local.copy_(rows(slice(start, start + local.shape[0])))
 
 
 def _shard_start(rows: int, mesh: Any) -> int:

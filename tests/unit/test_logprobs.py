@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_grpo.core.logprobs import logprobs_from_hidden, logprobs_from_logits
+from async_grpo.core.logprobs import (
+    HeadTransform,
+    head_transform,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+)
 
 T, H, V = 37, 16, 1000
 
@@ -131,3 +136,44 @@ def test_fused_head_equals_the_eager_one():
     (logp * c_logp).sum().backward()
     want, _ = _reference(hidden @ weight.T, targets, 1.0)
     assert ent is None and (logp.double() - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "head",
+    [HeadTransform(softcap=3.0), HeadTransform(scale=0.25), HeadTransform(scale=2.0, softcap=5.0)],
+    ids=["softcap", "scale", "both"],
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_head_transform_values_and_gradients(head, fused):
+    """A family's soft-capping and scaling (vLLM's order: cap, then scale, then the
+    temperature) give the log-probs, entropy and gradients of the plain computation on the
+    transformed logits, in float64 (eager and compiled chunk maths)."""
+    hidden, weight, targets, c_logp, c_ent = _inputs(5)
+    hidden = hidden.double().requires_grad_()  # [T, H]
+    weight = weight.double().requires_grad_()  # [V, H]
+    kw = dict(c_logp=c_logp.double(), c_ent=c_ent.double())
+
+    def ours(*args, **kwargs):
+        return logprobs_from_hidden(*args, **kwargs, fused=fused, head=head)
+
+    def plain(hidden, weight, targets, temperature, chunk_size, with_entropy):
+        logits = hidden @ weight.T  # [T, V]
+        if head.softcap:
+            logits = torch.tanh(logits / head.softcap) * head.softcap
+        return _reference(logits * head.scale, targets, temperature)
+
+    args = (hidden, weight, targets, 0.7)
+    got = _run(ours, [hidden, weight], *args, chunk_size=8, **kw)
+    want = _run(plain, [hidden, weight], *args, chunk_size=None, **kw)
+    assert _max_diff(got, want) <= 1e-9
+    untransformed = _run(logprobs_from_hidden, [hidden, weight], *args, chunk_size=8, **kw)
+    assert _max_diff(untransformed, want) > 1e-2  # the transform changes the answer
+
+
+def test_head_transform_from_the_config():
+    from types import SimpleNamespace as Config
+
+    assert head_transform(Config()).identity
+    assert head_transform(Config(final_logit_softcapping=30.0)) == HeadTransform(1.0, 30.0)
+    assert head_transform(Config(logits_scaling=4.0)) == HeadTransform(0.25)  # Granite
+    assert head_transform(Config(logit_scale=0.0625)) == HeadTransform(0.0625)  # Cohere

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_grpo.core.attention.base import AttentionBackend
+import torch
+
+from async_grpo.core.attention.base import AttentionBackend, layer_windows, one_or_per_layer
 from async_grpo.core.packing import PackedBatch, block_causal_mask, shared_prefix_mask
 
 
@@ -12,7 +14,10 @@ class DenseAttention(AttentionBackend):
     """transformers' SDPA. Unshared rows pass no mask: transformers builds the block-diagonal
     causal mask from the restarting `position_ids` (only with `use_cache=False`, which
     `packed_forward`/`packed_hidden` always pass). Shared-prompt rows get the boolean
-    `shared_prefix_mask`. Cost and memory grow with the square of the row length."""
+    `shared_prefix_mask`, one per sliding window the model's layers use. A family that
+    soft-caps its attention logits (Gemma-2) runs transformers' eager attention, which
+    applies the cap (SDPA cannot), with the same masks made additive. Cost and memory grow
+    with the square of the row length."""
 
     name = "sdpa"
     hf_implementation = "sdpa"
@@ -20,9 +25,23 @@ class DenseAttention(AttentionBackend):
     def __init__(self, explicit_mask: bool = False) -> None:
         self.explicit_mask = explicit_mask  # build the block mask even for unshared rows
 
-    def mask(self, batch: PackedBatch, dtype: Any) -> Any:
+    def implementation(self, config: Any) -> str:
+        return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+    def mask(self, batch: PackedBatch, dtype: Any, config: Any = None) -> Any:
         if batch.needs_explicit_mask:
-            return shared_prefix_mask(batch)  # [1, 1, T, T] bool
+            windows = layer_windows(config)
+            masks = {k: shared_prefix_mask(batch, w) for k, w in windows.items()}  # bool
+            if getattr(config, "_attn_implementation", "sdpa") == "eager":
+                masks = {k: _additive(m, dtype) for k, m in masks.items()}
+            return one_or_per_layer(masks)  # [1, 1, T, T] each
         if self.explicit_mask:
             return block_causal_mask(batch.seq_lens, dtype).to(batch.input_ids.device)
         return None
+
+
+def _additive(allowed: Any, dtype: Any) -> Any:
+    """0 where `allowed`, the dtype's minimum elsewhere (what eager attention adds)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )

@@ -22,7 +22,7 @@ class FlashVarlenAttention(AttentionBackend):
     hf_implementation = "flash_attention_2"
     supports_backward_on_cpu = False
 
-    def mask(self, batch: PackedBatch, dtype: Any) -> Any:
+    def mask(self, batch: PackedBatch, dtype: Any, config: Any = None) -> Any:
         if batch.needs_explicit_mask:
             raise ValueError(
                 "flash attention cannot express shared-prompt rows; use attention 'flex'"

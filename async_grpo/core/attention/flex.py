@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from async_grpo.core.attention.base import AttentionBackend
+from async_grpo.core.attention.base import AttentionBackend, layer_windows, one_or_per_layer
 from async_grpo.core.packing import PackedBatch, pad_to
 
 HF_NAME = "async_grpo_flex"
@@ -57,8 +57,22 @@ def _attention_forward(
         value = value.repeat_interleave(hq // hkv, dim=1)  # [1, Hq, T, D]
         gqa = False
     kernel = _kernel(query.is_cuda or FlexAttention.compile_on_cpu)
-    out = kernel(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+    cap = kwargs.get("softcap")
+    score_mod = _softcap(cap) if cap else None
+    out = kernel(
+        query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling,
+        enable_gqa=gqa,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # [1, T, Hq, D]
+
+
+def _softcap(cap: float) -> Any:
+    """Attention-logit soft-capping (Gemma-2) as a flex score_mod."""
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
 
 
 def register() -> None:
@@ -67,9 +81,10 @@ def register() -> None:
     AttentionInterface.register(HF_NAME, _attention_forward)
 
 
-def block_mask(batch: PackedBatch, compile: bool) -> Any:
+def block_mask(batch: PackedBatch, compile: bool, window: int | None = None) -> Any:
     """The BlockMask of a packed row: causal, within a group (a sample, or a GRPO group
-    with its shared prompt), and within the query's own sample or the group's prefix."""
+    with its shared prompt), and within the query's own sample or the group's prefix; with
+    a sliding `window`, only keys fewer than `window` positions back."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     device = batch.input_ids.device
@@ -83,11 +98,17 @@ def block_mask(batch: PackedBatch, compile: bool) -> Any:
         else torch.zeros(t, dtype=torch.bool, device=device)
     )  # [T]
 
+    pos = batch.position_ids[0]  # [T]
+
     def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         same_group = group[q] == group[kv]
         return (q >= kv) & same_group & (shared[kv] | (sample[q] == sample[kv]))
 
-    return create_block_mask(mask_mod, None, None, t, t, device=device, _compile=compile)
+    def windowed(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return mask_mod(b, h, q, kv) & (pos[q] - pos[kv] < window)
+
+    fn = mask_mod if window is None else windowed
+    return create_block_mask(fn, None, None, t, t, device=device, _compile=compile)
 
 
 class FlexAttention(AttentionBackend):
@@ -113,8 +134,10 @@ class FlexAttention(AttentionBackend):
         self.shapes.add(padded.input_ids.shape[1])
         return padded
 
-    def mask(self, batch: PackedBatch, dtype: Any) -> Any:
-        return block_mask(batch, compile=batch.input_ids.is_cuda)
+    def mask(self, batch: PackedBatch, dtype: Any, config: Any = None) -> Any:
+        compile = batch.input_ids.is_cuda
+        windows = layer_windows(config)
+        return one_or_per_layer({k: block_mask(batch, compile, w) for k, w in windows.items()})
 
     def stats(self) -> dict[str, float]:
         return {"attention/row_shapes": float(len(self.shapes)), "attention/bucket": self.bucket}

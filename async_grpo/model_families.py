@@ -1,0 +1,97 @@
+"""Tiny random models of the families people train with RL, built from each family's own
+transformers config class: the family matrix of the tests and of bench/model_families.py.
+
+Each is 2 layers of width 128 with heads of 64 (what vLLM's CPU attention takes), grouped
+KV heads, and the family's own quirks kept and made to bite at test lengths: sliding
+windows of 16 tokens where the family has them, soft-capping, fused projections, a tied
+or untied head, mixture-of-experts layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+WINDOW = 16  # shorter than the test sequences, so a missed window shows
+
+_COMMON = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+}
+
+# family -> (transformers config class, its settings beyond _COMMON)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # q/k/v carry a bias
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),  # q/k norms
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 64,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 64,
+        },
+    ),
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False}),  # fused qkv and gate_up
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW}),  # every layer windowed
+    # beyond the named families: a scaled head and scaled residuals, post-norm layers
+    "granite": (
+        "GraniteConfig",
+        {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5},
+    ),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+
+def tiny_config(family: str, vocab_size: int, **special_tokens: Any) -> Any:
+    """The family's config with the sizes above (`special_tokens`: bos/eos/pad ids)."""
+    import transformers
+
+    class_name, extra = FAMILIES[family]
+    settings = {**_COMMON, **extra, "vocab_size": vocab_size, **special_tokens}
+    return getattr(transformers, class_name)(**settings)
+
+
+def make_family_model(family: str, out_dir: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A tiny random `family` model with the tokenizer of `tokenizer_from`, saved in fp32 as
+    a Hugging Face folder. Norm weights are drawn too: a norm left at its initial value
+    would hide a load that skips it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = tiny_config(
+        family,
+        len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

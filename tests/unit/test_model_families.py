@@ -1,0 +1,100 @@
+"""The family matrix, trainer side: for each family's tiny random model (async_grpo/
+model_families.py), the trainer's load equals transformers' own `from_pretrained` in every
+parameter and buffer, and its log-probs on a packed row, prompts shared or not, equal
+transformers' forward on each sequence alone to 1e-5 (fp32). The sequences are longer
+than the families' sliding windows. (Engine side, after a push: tests/integration.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import one_rank_group
+
+from async_grpo.config import LossConfig, TrainerConfig
+from async_grpo.core.packing import PackInput, pack
+from async_grpo.model_families import FAMILIES, WINDOW, make_family_model
+from async_grpo.trainer.model import build_policy
+
+TEMPERATURE = 0.9
+
+
+@pytest.fixture(scope="module")
+def gloo_world():
+    with one_rank_group("gloo"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, smollm2_dir):
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_family_model(f, root / f, smollm2_dir, seed=1) for f in FAMILIES}
+
+
+def _reference(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _policy(model_dir):
+    cfg = TrainerConfig(
+        compute_dtype="float32", loss=LossConfig(temperature=TEMPERATURE), logprob_chunk_size=7
+    )
+    return build_policy(str(model_dir), cfg, torch.device("cpu"), 1)
+
+
+def _samples(vocab: int) -> list[PackInput]:
+    """Two groups of two samples; prompt + completion longer than the window."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n_p, n_cs in [(11, (20, 9)), (6, (25, 12))]:
+        prompt = torch.randint(3, vocab, (n_p,), generator=g).tolist()
+        for n_c in n_cs:
+            completion = torch.randint(3, vocab, (n_c,), generator=g).tolist()
+            out.append(PackInput(prompt, completion, 1.0, [0.0] * n_c))
+    assert max(len(s.prompt_ids) + len(s.completion_ids) for s in out) > WINDOW + 12
+    return out
+
+
+def _alone(model, s: PackInput) -> torch.Tensor:
+    """transformers' log-probs of `s`'s completion, the sequence on its own."""
+    ids = torch.tensor([s.prompt_ids + s.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1]  # [C, V]
+    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    return logp.gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]  # [C]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_load_equals_transformers(gloo_world, family_dirs, family):
+    """Every parameter and buffer (rotary tables of each kind, embedding scales) after the
+    trainer's sharded load is what `from_pretrained` gives; nothing loaded is re-drawn."""
+    reference = _reference(family_dirs[family])
+    policy = _policy(family_dirs[family])
+    ours = {n.removeprefix("hf."): t for n, t in policy.named_parameters()}
+    ours |= {n.removeprefix("hf."): t for n, t in policy.named_buffers()}
+    theirs = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        mine = ours[name]
+        mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
+        assert torch.equal(mine.detach(), tensor.detach()), name
+
+
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["unshared", "shared"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_logprobs_equal_each_sequence_alone(gloo_world, family_dirs, family, share_prompts):
+    reference = _reference(family_dirs[family])
+    policy = _policy(family_dirs[family])
+    samples = _samples(reference.config.vocab_size)
+    batch = policy.attention.prepare(pack(samples, share_prompts=share_prompts))
+    assert batch.needs_explicit_mask == share_prompts
+    with torch.no_grad():
+        logp, _ = policy(batch, False)  # [T]
+    for i, s in enumerate(samples):
+        mine = logp[(batch.sample_index == i) & batch.loss_mask]  # [C]
+        expected = _alone(reference, s)
+        err = (mine - expected).abs().max().item()
+        assert err < 1e-5, (i, err)
