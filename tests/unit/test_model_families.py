@@ -11,6 +11,7 @@ import torch
 from _dist import one_rank_group
 
 from async_grpo.config import LossConfig, TrainerConfig
+from async_grpo.core.attention.flex import FlexAttention
 from async_grpo.core.packing import PackInput, pack
 from async_grpo.model_families import FAMILIES, WINDOW, make_family_model
 from async_grpo.trainer.model import build_policy
@@ -38,11 +39,11 @@ def _reference(model_dir):
     ).eval()
 
 
-def _policy(model_dir):
+def _policy(model_dir, attention=None):
     cfg = TrainerConfig(
         compute_dtype="float32", loss=LossConfig(temperature=TEMPERATURE), logprob_chunk_size=7
     )
-    return build_policy(str(model_dir), cfg, torch.device("cpu"), 1)
+    return build_policy(str(model_dir), cfg, torch.device("cpu"), 1, attention)
 
 
 def _samples(vocab: int) -> list[PackInput]:
@@ -83,11 +84,17 @@ def test_load_equals_transformers(gloo_world, family_dirs, family):
         assert torch.equal(mine.detach(), tensor.detach()), name
 
 
+@pytest.mark.parametrize("backend", ["dense", "flex"])
 @pytest.mark.parametrize("share_prompts", [False, True], ids=["unshared", "shared"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_logprobs_equal_each_sequence_alone(gloo_world, family_dirs, family, share_prompts):
+def test_packed_logprobs_equal_each_sequence_alone(
+    gloo_world, family_dirs, family, share_prompts, backend
+):
+    """Dense SDPA (the CPU trainer) and flex_attention's BlockMask (forward only on CPU:
+    the log-prob workers; the CUDA trainer's kernel) on the same row."""
     reference = _reference(family_dirs[family])
-    policy = _policy(family_dirs[family])
+    attention = FlexAttention(max_tokens=256) if backend == "flex" else None
+    policy = _policy(family_dirs[family], attention)
     samples = _samples(reference.config.vocab_size)
     batch = policy.attention.prepare(pack(samples, share_prompts=share_prompts))
     assert batch.needs_explicit_mask == share_prompts
