@@ -6,13 +6,32 @@ naming the key, its value and what was expected (a run would hang or crash later
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
+from typing import Any
 
 from async_grpo.config import ConfigError, RunConfig
 
 
-def validate(cfg: RunConfig) -> None:
-    """Refuse configs that cannot run (they would hang or crash later)."""
+def finite_numbers(node: Any, where: str = "") -> None:
+    """Every float of the config is a finite number (nan and inf pass every range check)."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            finite_numbers(getattr(node, f.name), f"{where}.{f.name}" if where else f.name)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            finite_numbers(value, f"{where}.{key}")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            finite_numbers(value, f"{where}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{where}: must be a finite number, got {node}")
+
+
+def check_numbers(cfg: RunConfig) -> None:
+    """Each number alone: finite, and within the range its key can run with."""
+    finite_numbers(cfg)
     g, b, t, v = cfg.generation, cfg.batcher, cfg.trainer, cfg.verifier
     positive = {
         "generation.num_workers": g.num_workers,
@@ -28,10 +47,38 @@ def validate(cfg: RunConfig) -> None:
         "trainer.max_steps": t.max_steps,
         "trainer.lr": t.lr,
         "trainer.push_every": t.push_every,
+        "trainer.grad_clip": t.grad_clip,
+        "batcher.curriculum_floor": b.curriculum_floor,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
+    non_negative = {
+        "generation.temperature": g.temperature,
+        "generation.kv_cache_gib": g.kv_cache_gib,
+        "batcher.max_off_policy_steps": b.max_off_policy_steps,
+        "batcher.spare_groups": b.spare_groups,
+        "trainer.warmup_steps": t.warmup_steps,
+        "trainer.weight_decay": t.weight_decay,
+        "trainer.save_every": t.save_every,
+        "trainer.loss.kl_coef": t.loss.kl_coef,
+        "max_worker_restarts": cfg.max_worker_restarts,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    for key, value in {
+        "verifier.max_error_fraction": v.max_error_fraction,
+        "batcher.max_missing_fraction": b.max_missing_fraction,
+    }.items():
+        if not 0 < value <= 1:
+            raise ConfigError(f"{key}: must be in (0, 1], got {value}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Refuse configs that cannot run (they would hang or crash later)."""
+    check_numbers(cfg)
+    g, b, t, v = cfg.generation, cfg.batcher, cfg.trainer, cfg.verifier
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p: must be in (0, 1], got {g.top_p}")
     if g.top_p < 1:
@@ -39,12 +86,6 @@ def validate(cfg: RunConfig) -> None:
             f"generation.top_p: {g.top_p} makes vLLM report log-probs of the top-p truncated"
             " distribution, which the trainer does not score (the importance ratios would be"
             " wrong); sample with top_p: 1.0"
-        )
-    if cfg.max_worker_restarts < 0:
-        raise ConfigError(f"max_worker_restarts: must be >= 0, got {cfg.max_worker_restarts}")
-    if b.max_off_policy_steps < 0:
-        raise ConfigError(
-            f"batcher.max_off_policy_steps: must be >= 0, got {b.max_off_policy_steps}"
         )
     if b.samples_per_question > g.max_concurrent_seqs:
         raise ConfigError(
@@ -66,24 +107,12 @@ def validate(cfg: RunConfig) -> None:
             f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
             f" above batcher.max_off_policy_steps={b.max_off_policy_steps}; the run would stall"
         )
-    if b.spare_groups < 0:
-        raise ConfigError(f"batcher.spare_groups: must be >= 0, got {b.spare_groups}")
     if b.spare_groups and not (
         b.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
     ):
         raise ConfigError(
             "batcher.spare_groups: spares replace equal-reward groups, which are set aside only"
             " with batcher.skip_zero_advantage on and trainer.loss.kl_coef and entropy_coef 0"
-        )
-    if b.curriculum_floor <= 0:
-        raise ConfigError(f"batcher.curriculum_floor: must be > 0, got {b.curriculum_floor}")
-    if not 0 < b.max_missing_fraction <= 1:
-        raise ConfigError(
-            f"batcher.max_missing_fraction: must be in (0, 1], got {b.max_missing_fraction}"
-        )
-    if not 0 < v.max_error_fraction <= 1:
-        raise ConfigError(
-            f"verifier.max_error_fraction: must be in (0, 1], got {v.max_error_fraction}"
         )
     if v.combine == "weighted":
         missing = [r for r in v.rewards if r not in v.weights]

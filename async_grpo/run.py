@@ -257,10 +257,12 @@ def run_local(
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
     from async_grpo.logs import log_dir, quiet_libraries
     from async_grpo.models import resolve_model
+    from async_grpo.preflight import preflight
     from async_grpo.ray_utils import connect
 
     model_dir = str(resolve_model(cfg.model))
-    prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len)  # fail early
+    preflight(cfg, model_dir, resume)  # fail early: before Ray, pools or torchrun start
+    prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len)
     if cfg.eval.data:  # a held-out set that overlaps training is refused before Ray starts
         from async_grpo.evaluation.hook import held_out_prompts
 

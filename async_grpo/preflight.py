@@ -1,0 +1,71 @@
+"""What a run checks before Ray starts, beyond the config's own settings (config_checks):
+the checkpoint to resume, the reward functions, the model folder.
+
+In: the run config, the resolved model folder, `--resume`. Out: nothing, or `UserError`
+(one line; the command exits with code 2). Cheapest first: a bad input ends in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from async_grpo.config import RunConfig
+from async_grpo.errors import UserError
+
+
+def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None:
+    if resume:
+        from async_grpo.trainer.checkpoint import find_resume
+
+        find_resume(cfg.output_dir, resume)
+    if cfg.environment.name is None:  # single-turn: the verifiers will import these
+        from async_grpo.rewards.registry import get_reward
+
+        for name in cfg.verifier.rewards:
+            get_reward(name)
+    check_model(Path(model_dir))
+
+
+def check_model(model_dir: Path) -> None:
+    """transformers has a causal LM for the folder's model type, vLLM serves its
+    architecture, and the trainer computes what the engine computes for it."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from async_grpo.core.attention.base import layer_windows
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"model {model_dir}: transformers cannot read its config ({first})"
+        ) from None
+    kind = config.model_type
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"model {model_dir}: transformers has no causal LM for type {kind!r}")
+    archs = list(getattr(config, "architectures", None) or [])
+    served = vllm_architectures()
+    if not any(a in served for a in archs):
+        raise UserError(
+            f"model {model_dir}: vLLM serves none of its architectures {archs} (type {kind!r})"
+        )
+    try:
+        layer_windows(config)
+    except ValueError as e:
+        raise UserError(f"model {model_dir}: {e}") from None
+
+
+def vllm_architectures() -> set[str]:
+    """The model architectures this vLLM serves. vLLM warns at import about the Triton it
+    found; this process keeps its console to one line, so its logger is held at errors
+    for the import."""
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.ERROR)
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+    finally:
+        vllm_logger.setLevel(level)
+    return set(ModelRegistry.get_supported_archs())

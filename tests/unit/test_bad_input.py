@@ -1,0 +1,67 @@
+"""Bad input to `async-grpo run`, through the real command: each is refused before Ray
+starts, with exit code 2 and one line naming what, where and what was expected."""
+
+import json
+import subprocess
+
+import pytest
+from _cli import run_command
+
+
+def _run(tmp_path, *overrides):
+    cmd = run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}", *overrides)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _refused(r, *words):
+    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
+    assert "Ray head" not in r.stdout  # nothing started
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "Warning" not in x]
+    assert len(lines) == 1, r.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.lr=nan", ("trainer.lr", "finite")),
+        ("trainer.loss.kl_coef=inf", ("trainer.loss.kl_coef", "finite")),
+        ("trainer.grad_clip=0", ("trainer.grad_clip", "> 0")),
+        ("trainer.weight_decay=-0.1", ("trainer.weight_decay", ">= 0")),
+        ("verifier.max_error_fraction=1.5", ("verifier.max_error_fraction", "(0, 1]")),
+    ],
+)
+def test_numbers_out_of_range(tmp_path, override, words):
+    _refused(_run(tmp_path, override), *words)
+
+
+@pytest.mark.parametrize(
+    "reward, words",
+    [
+        ("no_such_reward", ("no_such_reward", "unknown")),
+        ("nopkg.mod:fn", ("nopkg.mod", "cannot import")),
+        ("json:no_such_function", ("json", "no_such_function")),
+    ],
+)
+def test_rewards_are_looked_up_at_start(tmp_path, reward, words):
+    _refused(_run(tmp_path, f"verifier.rewards=[{reward}]"), *words)
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    cmd = [*run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}"), "--resume"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    _refused(r, "--resume", "no checkpoint")
+
+
+def test_a_model_no_library_can_load(tmp_path, tiny_model_dir):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "no_such_family"}))
+    _refused(_run(tmp_path, f"model={folder}"), str(folder), "no_such_family")
+    config["architectures"] = ["NoSuchForCausalLM"]  # transformers reads it; vLLM does not
+    (folder / "config.json").write_text(json.dumps(config))
+    _refused(_run(tmp_path, f"model={folder}"), "vLLM", "NoSuchForCausalLM")
