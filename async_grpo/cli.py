@@ -59,7 +59,8 @@ def _data(args: argparse.Namespace) -> int:
         from async_grpo.data.tokenize import tokenize_prompts
         from async_grpo.models import resolve_model
 
-        prompts = tokenize_prompts(load_prompts(args.input), resolve_model(args.model))
+        model_dir = resolve_model(args.model)
+        prompts = tokenize_prompts(load_prompts(args.input), model_dir, args.prompt_format)
         rows = [p.to_json() for p in prompts]
     if getattr(args, "exclude", None):
         rows = held_out_rows(rows, args.exclude)
@@ -175,9 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
     d = dsub.add_parser("check", help="validate a prompt JSONL file")
     d.add_argument("input")
-    d = dsub.add_parser("tokenize", help="add input_token_ids with the model's chat template")
+    d = dsub.add_parser("tokenize", help="add input_token_ids (the model's chat template)")
     d.add_argument("input")
     d.add_argument("--model", default="smollm2-135m", help="model folder or prepared name")
+    d.add_argument(
+        "--prompt-format",
+        choices=["chat", "plain"],
+        default="chat",
+        help="chat: a user turn in the chat template; plain: the text as it is",
+    )
     d.add_argument("-o", "--out", required=True)
     p.set_defaults(func=_data)
 

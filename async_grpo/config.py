@@ -206,6 +206,9 @@ class RunConfig:
 
     model: str = "smollm2-135m"  # a folder, or the name of a prepared model
     data: str = "sample-data/countdown.jsonl"
+    # chat: each prompt is a user turn in the model's chat template; plain: the text as
+    # it is (base models, R1-Zero-style prompts)
+    prompt_format: Literal["chat", "plain"] = "chat"
     output_dir: str = "outputs/run"
     ray_address: str | None = None  # None: start a local Ray instance
     sample_every: int = 0  # every k steps, a few training samples to output_dir/samples.jsonl

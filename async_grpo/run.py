@@ -262,7 +262,7 @@ def run_local(
 
     model_dir = str(resolve_model(cfg.model))
     preflight(cfg, model_dir, resume)  # fail early: before Ray, pools or torchrun start
-    prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len)
+    prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format)
     if cfg.eval.data:  # a held-out set that overlaps training is refused before Ray starts
         from async_grpo.evaluation.hook import held_out_prompts
 

@@ -48,7 +48,10 @@ DESCRIPTIONS: dict[str, str] = {
     " (elsewhere), per worker; `broadcast`, `shm`, `cuda_ipc` force one (an error where the"
     " placement cannot use it). See [weight-sync.md](weight-sync.md)",
     "data": "prompt JSONL file (`input`, `answer`, optional `input_token_ids`); prompts"
-    " without token ids are chat-templated at start-up",
+    " without token ids are tokenized at start-up as `prompt_format` says",
+    "prompt_format": "`chat`: each prompt is a user turn in the model's chat template (a"
+    " model without one is refused at start-up); `plain`: the text as it is, for base"
+    " models (R1-Zero-style prompts)",
     "output_dir": "where `training_params.json`, `training_metrics.jsonl` and"
     " `checkpoints/` go; `--resume` looks here",
     "generation.num_workers": "vLLM engines that `async-grpo run` starts"

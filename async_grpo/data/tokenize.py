@@ -1,10 +1,12 @@
-"""Apply a model's chat template to prompts and store the ids as `input_token_ids`."""
+"""Turn prompts into token ids (`input_token_ids`): as a user turn in the model's chat
+template (`prompt_format: chat`), or as plain text (`plain`, for base models)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from async_grpo.data.jsonl import Prompt
+from async_grpo.errors import UserError
 
 
 def chat_token_ids(tokenizer, text: str) -> list[int]:
@@ -17,27 +19,39 @@ def chat_token_ids(tokenizer, text: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-def tokenize_prompts(prompts: list[Prompt], model_dir: Path) -> list[Prompt]:
-    """Fill `input_token_ids` of every prompt with the templated prompt ids, then the
+def tokenize_prompts(prompts: list[Prompt], model_dir: Path, format: str = "chat") -> list[Prompt]:
+    """Fill `input_token_ids` of every prompt with the templated prompt ids (`format`
+    chat) or the text's own (plain; the tokenizer's BOS, if it adds one), then the
     prefill's (the start of the model's turn, e.g. "<calc>"), if any."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if format == "chat" and not tokenizer.chat_template:
+        raise UserError(
+            f"model {model_dir}: no chat template for prompt_format: chat; set"
+            " prompt_format=plain to use the prompts as plain text (base models)"
+        )
     for p in prompts:
-        p.input_token_ids = chat_token_ids(tokenizer, p.input)
+        if format == "chat":
+            p.input_token_ids = chat_token_ids(tokenizer, p.input)
+        else:
+            p.input_token_ids = tokenizer(p.input).input_ids
         if p.prefill:
             p.input_token_ids += tokenizer(p.prefill, add_special_tokens=False).input_ids
     return prompts
 
 
-def prepare_prompts(data_path: str | Path, model_dir: Path, max_model_len: int) -> list[Prompt]:
-    """Load, tokenize where needed, and refuse prompts that leave no room to generate."""
+def prepare_prompts(
+    data_path: str | Path, model_dir: Path, max_model_len: int, format: str = "chat"
+) -> list[Prompt]:
+    """Load, tokenize where needed (`format`: chat or plain), and refuse prompts that
+    leave no room to generate."""
     from async_grpo.data.jsonl import DataError, load_prompts
 
     prompts = load_prompts(data_path)
     missing = [p for p in prompts if p.input_token_ids is None]
     if missing:
-        tokenize_prompts(missing, model_dir)
+        tokenize_prompts(missing, model_dir, format)
     for p in prompts:
         if len(p.input_token_ids) >= max_model_len:
             raise DataError(

@@ -27,7 +27,7 @@ def held_out_prompts(cfg: RunConfig, model_dir: str) -> list[Any]:
     from async_grpo.data.tokenize import prepare_prompts
 
     e = cfg.eval
-    prompts = prepare_prompts(e.data, model_dir, cfg.generation.max_model_len)
+    prompts = prepare_prompts(e.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format)
     prompts = prompts[: e.max_questions] if e.max_questions else prompts
     train = load_prompts(cfg.data)
     texts = {p.input for p in train}

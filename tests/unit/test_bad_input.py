@@ -65,3 +65,36 @@ def test_a_model_no_library_can_load(tmp_path, tiny_model_dir):
     config["architectures"] = ["NoSuchForCausalLM"]  # transformers reads it; vLLM does not
     (folder / "config.json").write_text(json.dumps(config))
     _refused(_run(tmp_path, f"model={folder}"), "vLLM", "NoSuchForCausalLM")
+
+
+def _without_chat_template(tmp_path, tiny_model_dir):
+    """A copy of the tiny model whose tokenizer has no chat template (a base model)."""
+    import shutil
+
+    folder = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, folder)
+    config = folder / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+def test_chat_prompts_for_a_model_without_a_chat_template(tmp_path, tiny_model_dir):
+    folder = _without_chat_template(tmp_path, tiny_model_dir)
+    _refused(_run(tmp_path, f"model={folder}"), "no chat template", "prompt_format=plain")
+
+
+def test_plain_prompts_are_the_text_as_it_is(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from async_grpo.data.jsonl import Prompt
+    from async_grpo.data.tokenize import tokenize_prompts
+
+    folder = _without_chat_template(tmp_path, tiny_model_dir)
+    text = "Question: 2 + 3 = ? Answer:"
+    (plain,) = tokenize_prompts([Prompt(input=text, answer="5")], folder, "plain")
+    assert plain.input_token_ids == AutoTokenizer.from_pretrained(folder)(text).input_ids
+    (chat,) = tokenize_prompts([Prompt(input=text, answer="5")], tiny_model_dir, "chat")
+    assert len(chat.input_token_ids) > len(plain.input_token_ids)  # the template's turn
