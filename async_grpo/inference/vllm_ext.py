@@ -90,10 +90,12 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
         flat = self.receiver.chunk(update_info.slot, update_info.nbytes)
         metas = [TensorMeta(n, tuple(s), d) for n, s, d in update_info.metas]
         tensors = unpack(flat, metas)
-        if self._in_place and self.model_config.hf_config.tie_word_embeddings:
+        tied = self.model_config.hf_config.tie_word_embeddings
+        if (self._in_place and tied) or not has_head(self.model):
             # a tied head is the embedding's own tensor here (no repacked copy to refresh),
-            # and vLLM refuses a chunk that holds the head without the embedding
-            tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
+            # and vLLM refuses a chunk that holds the head without the embedding; a model
+            # without a head of its own (Gemma) has no parameter of that name at all
+            tensors = [(name, t) for name, t in tensors if name != HEAD]
         self.model.load_weights(tensors)
         if not self._in_place:
             _own_pending(flat)
@@ -108,6 +110,20 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
+
+
+HEAD = "lm_head.weight"
+
+
+def has_head(model: torch.nn.Module) -> bool:
+    """Whether vLLM's `model` has an `lm_head.weight` parameter (its own, or tied to the
+    embedding). The trainer sends a tied head under both names; an engine whose model
+    family computes logits from the embedding itself (Gemma) takes only the embedding."""
+    cached = getattr(model, "_async_grpo_has_head", None)
+    if cached is None:
+        cached = HEAD in dict(model.named_parameters(remove_duplicate=False))
+        model._async_grpo_has_head = cached
+    return cached
 
 
 def reloads_in_place(model: torch.nn.Module) -> bool:
@@ -179,8 +195,10 @@ class WeightSyncExtension:
             pairs |= load_file(str(f))
         config = json.loads((folder / "config.json").read_text())
         embed = "model.embed_tokens.weight"
-        if config.get("tie_word_embeddings") and "lm_head.weight" not in pairs and embed in pairs:
-            pairs["lm_head.weight"] = pairs[embed]
+        model = self.model_runner.get_model()
+        tied = config.get("tie_word_embeddings")
+        if tied and HEAD not in pairs and embed in pairs and has_head(model):
+            pairs[HEAD] = pairs[embed]
         self.reload_weights(weights_iterator=iter(pairs.items()))
         return len(pairs)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from async_grpo.trainer.weight_names import file_layout
 from async_grpo.transports.base import CHUNK_BYTES, TensorMeta, plan_chunks, slot_bytes, view_at
 
 
@@ -47,6 +48,23 @@ def rank0_decides(flag: bool) -> bool:
     t = torch.tensor([int(flag)])  # host tensor: the default group carries cpu tensors
     dist.broadcast(t, src=0)
     return bool(t.item())
+
+
+def _wire_tensors(
+    hf: nn.Module, params: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, tuple[int, ...], int, str | None]]:
+    """(name, whole shape, parameter index, part) of every tensor a push sends, in the
+    parameters' order; a parameter stored in another layout (fused experts) goes as the
+    files' tensors (part: their names), which is what vLLM's loaders take."""
+    wire = []
+    for i, (name, p) in enumerate(params):
+        shape = tuple(p.shape)  # global: a DTensor reports the whole parameter's
+        parts = file_layout(hf, name, torch.empty(shape, device="meta"))
+        if parts is None:
+            wire.append((name, shape, i, None))
+        else:
+            wire += [(k, tuple(t.shape), i, k) for k, t in parts.items()]
+    return wire
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -74,6 +92,10 @@ class WeightPusher:
         # head, which is refreshed only when `lm_head.weight` itself arrives
         named = policy.named_parameters(remove_duplicate=False)
         self.params = [(n.removeprefix(PREFIX), p) for n, p in named]
+        # what goes on the wire, in the files' layout: (name, shape, parameter, part)
+        self.hf = getattr(policy, "hf", policy)
+        self.wire = _wire_tensors(self.hf, self.params)
+        self._parts: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
         self.rank, self.device, self.forced = rank, device, transport
         self.timeout_s, self.chunk_limit, self.worker_wait_s = timeout_s, chunk_limit, worker_wait_s
         self.in_flight = in_flight  # running requests continue on the new weights
@@ -113,6 +135,7 @@ class WeightPusher:
         t0 = time.perf_counter()
         for tries_left in (1, 0):
             self._gathered = 0
+            self._parts = (-1, None)
             try:
                 t1, t2, sent, versions, drains = self._push_once(version)
             except GroupBroken as e:  # the survivors are paused mid-update: send it again
@@ -185,8 +208,7 @@ class WeightPusher:
             offset = 0
             for i in chunk:
                 dst, offset = view_at(slot, offset, self.metas[i])
-                dst.copy_(_full(self.params[i][1]).detach())
-                self._gathered = i + 1
+                dst.copy_(self._wire_tensor(i))
             if self.device == "cuda":
                 torch.cuda.current_stream().synchronize()  # complete before others read it
             self.pack_s += time.perf_counter() - tp
@@ -204,6 +226,19 @@ class WeightPusher:
         for s in sorted((s for s in (0, 1) if in_slot[s] is not None), key=lambda s: in_slot[s][2]):
             self._drain_slot(in_slot, s)
         return sent
+
+    def _wire_tensor(self, i: int) -> torch.Tensor:
+        """Wire tensor `i`: its parameter gathered (once, in order: every rank gathers the
+        same parameters in the same order), whole or one part of its files' layout."""
+        _, _, index, part = self.wire[i]
+        if self._parts[0] != index:
+            full = _full(self.params[index][1]).detach()
+            self._gathered = index + 1
+            parts = None
+            if part is not None:
+                parts = file_layout(self.hf, self.params[index][0], full)
+            self._parts = (index, parts if parts is not None else {None: full})
+        return self._parts[1][part]
 
     def _drain_slot(self, in_slot: list[tuple[dict[str, Any], Any, int] | None], s: int) -> None:
         """Wait until every worker has loaded the chunk in slot `s`, then free the slot.
@@ -285,9 +320,7 @@ class WeightPusher:
         self.worker_dtypes = {p["worker_id"]: p["dtype"] for p in pings.values()}
         served = set(self.worker_dtypes.values())
         self.dtype = getattr(torch, served.pop() if len(served) == 1 else "float32")
-        self.metas = [
-            TensorMeta(n, tuple(p.shape), self.wire_dtype) for n, p in self.params
-        ]  # global shapes: a DTensor reports the whole parameter's
+        self.metas = [TensorMeta(n, shape, self.wire_dtype) for n, shape, _, _ in self.wire]
         self.chunks = plan_chunks(self.metas, self.chunk_limit)
         here = Place(ray.get_runtime_context().get_node_id(), self._device_id())
         self.transports = {

@@ -4,8 +4,9 @@ transformers 5 keeps some families' weights in another layout than their files, 
 converts them as it loads: a mixture-of-experts layer holds its experts fused
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) where the files
 hold one tensor per expert (`mlp.experts.3.gate_proj.weight`). The conversions are the
-family's own (`transformers.conversion_mapping`); this module finds, for one parameter,
-the stored tensors it is made of, and applies them."""
+family's own (`transformers.conversion_mapping`). This module applies them both ways: the
+trainer's load builds a parameter from the stored tensors (`converted_sources`), and the
+push sends it in the files' layout (`file_layout`), the one vLLM's loaders read."""
 
 from __future__ import annotations
 
@@ -69,3 +70,14 @@ def converted_sources(model: nn.Module, name: str, stored: Any) -> Converted | N
             if all(sources.values()):
                 return Converted(converter, sources)
     return None
+
+
+def file_layout(model: nn.Module, name: str, tensor: Tensor) -> dict[str, Tensor] | None:
+    """Parameter `name` (`tensor`, the whole of it; a meta tensor gives the shapes) as the
+    tensors of the files' layout, by name; None where the parameter is stored as it is."""
+    converters = _converters(model)
+    if not any(name.endswith(t) for c in converters for t in c.target_patterns):
+        return None
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {name: tensor})

@@ -105,3 +105,32 @@ def test_packed_logprobs_equal_each_sequence_alone(
         expected = _alone(reference, s)
         err = (mine - expected).abs().max().item()
         assert err < 1e-5, (i, err)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_push_sends_the_files_tensors_under_their_names(family_dirs, family):
+    """What a push puts on the wire for each parameter of the trainer's model is exactly a
+    tensor of the model's files, under the file's name (fused experts go back to one
+    tensor per expert); a tied head also goes as `lm_head.weight`."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from async_grpo.trainer.push import _wire_tensors
+    from async_grpo.trainer.weight_names import file_layout
+
+    hf = AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32)
+    params = list(hf.named_parameters(remove_duplicate=False))
+    wire = _wire_tensors(hf, params)
+    with safe_open(str(family_dirs[family] / "model.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+        sent = set()
+        for name, shape, index, part in wire:
+            whole = params[index][1].detach()
+            tensor = whole if part is None else file_layout(hf, params[index][0], whole)[part]
+            assert tuple(tensor.shape) == shape, name
+            if name == "lm_head.weight" and name not in stored:
+                assert hf.config.tie_word_embeddings
+                continue
+            assert torch.equal(tensor, f.get_tensor(name)), name
+            sent.add(name)
+    assert sent == stored
