@@ -90,8 +90,41 @@ def _train(args: argparse.Namespace) -> int:
     from async_grpo.trainer.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    train(cfg, args.address or cfg.ray_address, args.resume, args.verbose)
+    try:
+        train(cfg, args.address or cfg.ray_address, args.resume, args.verbose)
+    except Exception as e:
+        if isinstance(e, UserError) or not os.environ.get(EXIT_FILE_ENV):
+            raise  # a user error is one line already; run by hand, the traceback shows
+        _trainer_failed(e, cfg.output_dir, args.verbose)
+        return 1
     return 0
+
+
+def _trainer_failed(e: Exception, output_dir: str, verbose: bool) -> None:
+    """Under `async-grpo run`: the traceback goes to OUTPUT_DIR/logs/trainer-rankR.log,
+    and its cause, as one line, to the run's cause file (the first rank to fail wins);
+    `run` prints that line. (--verbose: the traceback goes to the console too.)"""
+    import traceback
+
+    from async_grpo.launcher import write_cause
+    from async_grpo.logs import log_dir
+
+    text = "".join(traceback.format_exception(e))
+    path = log_dir(output_dir) / f"trainer-rank{os.environ.get('RANK', '0')}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(text)
+    write_cause(f"{_cause(e)} (traceback: {path})")
+    if verbose:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _cause(e: BaseException) -> str:
+    """`Type: first line` of the innermost error; through Ray, the actor's own error."""
+    while getattr(e, "cause", None) is not None:  # RayTaskError and RayActorError
+        e = e.cause
+    first = next((x for x in str(e).splitlines() if x.strip()), "")
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -212,6 +212,20 @@ def _pools_started(starting: dict[str, Any], trainer: subprocess.Popen) -> bool:
     return trainer.poll() is None
 
 
+def _trainer_died(
+    code: int, exit_file: Path, output_dir: str, config_path: str | None, overrides: list[str]
+) -> str:
+    """The one line for a trainer that failed: its cause (what the failing rank said, or
+    how the launcher saw it end) and, only where a checkpoint exists, how to continue."""
+    cause = Path(str(exit_file) + ".cause")
+    why = cause.read_text().strip() if cause.is_file() else "no cause recorded"
+    line = f"the trainer died (exit code {code}): {why}"
+    if (Path(output_dir) / "checkpoints" / "latest").is_file():
+        again = " ".join(["async-grpo run", config_path or "CONFIG", *overrides, "--resume"])
+        line += f"; its checkpoints are kept, continue from the last one with: {again}"
+    return line
+
+
 def torchrun_command(
     cfg: RunConfig,
     config_path: str | None,
@@ -223,7 +237,7 @@ def torchrun_command(
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "torch.distributed.run" if verbose else "async_grpo.launcher",
         "--standalone",
         f"--nproc-per-node={cfg.trainer.num_ranks}",
         "-m",
@@ -347,11 +361,8 @@ def run_local(
         if code and exit_file.is_file():  # a rank stopped on a user error (one line said)
             code = int(exit_file.read_text())
         if code not in (0, 2):
-            again = " ".join(["async-grpo run", config_path or "CONFIG", *overrides, "--resume"])
             print(
-                f"the trainer died (exit code {code}); its checkpoints are kept, continue"
-                f" from the last one with: {again}",
-                flush=True,
+                _trainer_died(code, exit_file, cfg.output_dir, config_path, overrides), flush=True
             )
         return code
     except RestartLimit as e:

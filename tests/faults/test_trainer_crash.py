@@ -7,6 +7,7 @@ step once and the books of every step balance. (That a resumed run computes the 
 losses as an uninterrupted one: tests/integration/test_training_loop.py.)"""
 
 import json
+import re
 
 import pytest
 from _cli import ASYNC, loop_command
@@ -40,6 +41,10 @@ def test_the_crash_ends_the_run_with_how_to_resume(crashed_then_resumed):
     assert crash["code"] not in (0, 2), crash["console"][-4000:]
     out = crash["console"]
     assert "the trainer died (exit code" in out and "--resume" in out, out[-4000:]
+    # one line with the cause, as the launcher saw it (no rank could say: SIGKILL); no
+    # traceback or torchrun failure block on the console
+    assert re.search(r"trainer rank \d ended by signal SIGKILL", out), out[-4000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
     assert crash["steps"] == [1, 2, 3]
 
 

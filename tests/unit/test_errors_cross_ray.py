@@ -90,3 +90,35 @@ def test_raised_in_an_actor_arrives_as_itself(thrower, qualname):
     assert str(want) in str(caught.value)
     for name, value in attrs.items():
         assert getattr(caught.value, name) == value
+
+
+def test_a_trainer_failure_is_one_line_naming_the_actors_own_error(thrower, tmp_path, monkeypatch):
+    """A rank of `async-grpo run` that fails on an actor's error (here what vLLM's Gemma-2
+    loader raised at a push) records the actor's own message as the run's one line, the
+    traceback in its log; `run` prints that line, with the --resume hint only once a
+    checkpoint exists."""
+    import ray
+
+    from async_grpo.cli import _trainer_failed
+    from async_grpo.errors import EXIT_FILE_ENV
+    from async_grpo.run import _trainer_died
+
+    message = "There is no module or parameter named 'lm_head' in Gemma2ForCausalLM"
+    with pytest.raises(RuntimeError) as caught:
+        ray.get(thrower.throw.remote("builtins.RuntimeError", (message,)), timeout=60)
+    exit_file = tmp_path / "trainer_exit"
+    monkeypatch.setenv(EXIT_FILE_ENV, str(exit_file))
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "out"
+    _trainer_failed(caught.value, str(out), verbose=False)
+    _trainer_failed(ValueError("a later rank's failure"), str(out), verbose=False)
+    log = out / "logs" / "trainer-rank1.log"
+    assert "Traceback" in log.read_text() and message in log.read_text()
+    line = _trainer_died(1, exit_file, str(out), "configs/arithmetic.yaml", ["x=1"])
+    assert line == f"the trainer died (exit code 1): RuntimeError: {message} (traceback: {log})"
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "latest").write_text("step_3")
+    line = _trainer_died(1, exit_file, str(out), "configs/arithmetic.yaml", ["x=1"])
+    assert line.endswith(
+        "continue from the last one with: async-grpo run configs/arithmetic.yaml x=1 --resume"
+    )
