@@ -56,7 +56,38 @@ def check_model(model_dir: Path) -> None:
 
 
 def vllm_architectures() -> set[str]:
-    """The model architectures this vLLM serves. vLLM warns at import about the Triton it
+    """The model architectures this vLLM serves: the keys of its registry's table of
+    models (`_VLLM_MODELS`, the union of its per-task tables), read from its source. Importing the registry takes about 4 s (all of vLLM's
+    configuration comes with it), which every run would pay before Ray starts;
+    tests/unit/test_bad_input.py checks that both give the same set. Where the source
+    holds no such tables, the registry is imported."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise UserError("vLLM is not installed (pip install 'async-grpo[cpu]' or '[gpu]')")
+    source = Path(spec.origin).parent / "model_executor" / "models" / "registry.py"
+    tables: dict[str, ast.Dict] = {}  # module-level dict literals by name
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            tables |= {t.id: node.value for t in node.targets if isinstance(t, ast.Name)}
+
+    def keys(table: ast.Dict) -> set[str]:  # `**other` entries bring the other's keys
+        out = set()
+        for k, v in zip(table.keys, table.values, strict=True):
+            if isinstance(k, ast.Constant):
+                out.add(k.value)
+            elif k is None and isinstance(v, ast.Name) and v.id in tables:
+                out |= keys(tables[v.id])
+        return out
+
+    found = keys(tables["_VLLM_MODELS"]) if "_VLLM_MODELS" in tables else set()
+    return found or imported_vllm_architectures()
+
+
+def imported_vllm_architectures() -> set[str]:
+    """The same set from vLLM's `ModelRegistry`. vLLM warns at import about the Triton it
     found; this process keeps its console to one line, so its logger is held at errors
     for the import."""
     import logging
