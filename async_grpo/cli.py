@@ -102,19 +102,21 @@ def _train(args: argparse.Namespace) -> int:
 
 def _trainer_failed(e: Exception, output_dir: str, verbose: bool) -> None:
     """Under `async-grpo run`: the traceback goes to OUTPUT_DIR/logs/trainer-rankR.log,
-    and its cause, as one line, to the run's cause file (the first rank to fail wins);
-    `run` prints that line. (--verbose: the traceback goes to the console too.)"""
+    and its cause, as one line, to this rank's cause file; the launcher picks the run's
+    cause among the ranks' (launcher.py) and `run` prints it. (--verbose: the traceback
+    goes to the console too.)"""
     import traceback
 
-    from async_grpo.launcher import write_cause
+    from async_grpo.launcher import write_rank_cause
     from async_grpo.logs import log_dir
 
     text = "".join(traceback.format_exception(e))
-    path = log_dir(output_dir) / f"trainer-rank{os.environ.get('RANK', '0')}.log"
+    rank = os.environ.get("RANK", "0")
+    path = log_dir(output_dir) / f"trainer-rank{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(text)
-    write_cause(f"{_cause(e)} (traceback: {path})")
+    write_rank_cause(rank, f"{_cause(e)} (traceback: {path})")
     if verbose:
         print(text, file=sys.stderr, flush=True)
 

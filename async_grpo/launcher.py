@@ -1,12 +1,17 @@
 """torchrun for `async-grpo run`: the same launcher (`torch.distributed.run`), without its
-failure report on the console.
+failure report on the console, and the one line that says why the trainer failed.
 
 When a rank fails, torchrun prints a block of about 30 lines (its own traceback and a
-`ChildFailedError` summary) after the rank's traceback. Under `async-grpo run` the failing
-rank has already written its cause as one line and its traceback to a file
-(`cli._train`), so here a failed child ends this process with exit code 1 and one log
-line, and torch's elastic agent logs warnings and errors only to the worker log. Run
-directly (`torchrun ... async_grpo.cli train`) nothing changes."""
+`ChildFailedError` summary) after the rank's traceback. Under `async-grpo run` a rank that
+raises writes its cause as one line, with the time, and its traceback to a file
+(`cli._train`); here a failed child ends this process with exit code 1 and torch's elastic
+agent logs nothing on the console. Run directly (`torchrun ... async_grpo.cli train`)
+nothing changes.
+
+Which failure is the cause: when one rank dies, the others fail moments later on their
+broken connections ("Connection reset by peer") and torchrun stops the rest with SIGTERM.
+So a rank killed by any other signal (the OOM killer's SIGKILL, a crash) is the cause;
+failing that, the rank that raised first; failing that, the first failure torchrun saw."""
 
 from __future__ import annotations
 
@@ -14,30 +19,52 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from async_grpo.errors import EXIT_FILE_ENV
 
+STOPPED = {-signal.SIGTERM, -signal.SIGINT}  # how torchrun stops the ranks left
+
 
 def cause_file() -> Path | None:
-    """Where the run's first trainer failure is said in one line (beside the exit file
-    `async-grpo run` gives its ranks); None outside `async-grpo run`."""
+    """Where the run's trainer failure is said in one line (beside the exit file `async-grpo
+    run` gives its ranks); None outside `async-grpo run`."""
     exit_file = os.environ.get(EXIT_FILE_ENV)
     return Path(exit_file + ".cause") if exit_file else None
 
 
-def write_cause(line: str) -> bool:
-    """Record `line` as the run's trainer failure unless one is recorded; True if it was."""
+def write_rank_cause(rank: str, line: str) -> None:
+    """A rank's own failure: `line` (one line), with the time it failed."""
     path = cause_file()
-    if path is None:
-        return False
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(line.strip().replace("\n", " ") + "\n")
-    return True
+    if path is not None:
+        one = line.strip().replace("\n", " ")
+        path.with_name(f"{path.name}.rank{rank}").write_text(f"{time.time()}\t{one}\n")
+
+
+def first_rank_cause(path: Path) -> str | None:
+    """The line of the rank that raised first, if any did (`path`: the run's cause file)."""
+    found = []
+    for f in path.parent.glob(f"{path.name}.rank*"):
+        stamp, _, line = f.read_text().strip().partition("\t")
+        found.append((float(stamp), line))
+    return min(found)[1] if found else None
+
+
+def failure_cause(failures: dict[int, object], path: Path) -> str:
+    """The one line for torchrun's `failures` (global rank -> ProcessFailure); `path`: the
+    run's cause file, beside which the ranks wrote theirs."""
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode not in STOPPED}
+    if killed:
+        rank = min(killed, key=lambda r: (killed[r].timestamp, r))
+        return f"trainer rank {rank} ended by signal {signal.Signals(-killed[rank].exitcode).name}"
+    said = first_rank_cause(path)
+    if said:
+        return said
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    code = failures[rank].exitcode
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return f"trainer rank {rank} ended by {how}"
 
 
 def main(argv: list[str]) -> int:
@@ -48,11 +75,9 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        how = f"exit code {failure.exitcode}"
-        if failure.exitcode < 0:
-            how = f"signal {signal.Signals(-failure.exitcode).name}"
-        write_cause(f"trainer rank {rank} ended by {how}")  # unless the rank said why
+        path = cause_file()
+        if path is not None:
+            path.write_text(failure_cause(e.failures, path) + "\n")
         return 1
     return 0
 

@@ -217,9 +217,11 @@ def _trainer_died(
 ) -> str:
     """The one line for a trainer that failed: its cause (what the failing rank said, or
     how the launcher saw it end) and, only where a checkpoint exists, how to continue."""
-    cause = Path(str(exit_file) + ".cause")
-    why = cause.read_text().strip() if cause.is_file() else "no cause recorded"
-    line = f"the trainer died (exit code {code}): {why}"
+    from async_grpo.launcher import first_rank_cause
+
+    cause = Path(str(exit_file) + ".cause")  # the launcher's pick (not under --verbose)
+    why = cause.read_text().strip() if cause.is_file() else first_rank_cause(cause)
+    line = f"the trainer died (exit code {code}): {why or 'no cause recorded'}"
     if (Path(output_dir) / "checkpoints" / "latest").is_file():
         again = " ".join(["async-grpo run", config_path or "CONFIG", *overrides, "--resume"])
         line += f"; its checkpoints are kept, continue from the last one with: {again}"

@@ -111,6 +111,7 @@ def test_a_trainer_failure_is_one_line_naming_the_actors_own_error(thrower, tmp_
     monkeypatch.setenv("RANK", "1")
     out = tmp_path / "out"
     _trainer_failed(caught.value, str(out), verbose=False)
+    monkeypatch.setenv("RANK", "0")
     _trainer_failed(ValueError("a later rank's failure"), str(out), verbose=False)
     log = out / "logs" / "trainer-rank1.log"
     assert "Traceback" in log.read_text() and message in log.read_text()

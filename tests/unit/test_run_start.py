@@ -52,3 +52,32 @@ def test_a_run_removes_its_weight_files_and_only_those(monkeypatch, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [other.path.rsplit("/", 1)[1]]
     assert mine.path.rsplit("/", 1)[1].startswith("async-grpo-weights-run1-")
     other.close()
+
+
+def test_the_trainer_failure_line_names_the_cause_not_its_consequences(tmp_path):
+    """When a rank dies, the others fail on their broken connections and torchrun stops
+    the rest with SIGTERM: the line names the rank killed by another signal; failing
+    that, the rank that raised first; failing that, torchrun's first failure."""
+    import signal
+    from types import SimpleNamespace as Failure
+
+    from async_grpo.launcher import failure_cause
+
+    cause = tmp_path / "trainer_exit.cause"
+    (cause.parent / f"{cause.name}.rank1").write_text("100.5\tRuntimeError: Connection reset\n")
+    killed = {
+        0: Failure(exitcode=-signal.SIGKILL, timestamp=101),
+        1: Failure(exitcode=1, timestamp=100),
+    }
+    assert failure_cause(killed, cause) == "trainer rank 0 ended by signal SIGKILL"
+    (cause.parent / f"{cause.name}.rank0").write_text("99.0\tValueError: bad batch\n")
+    raised = {
+        0: Failure(exitcode=1, timestamp=100),
+        1: Failure(exitcode=-signal.SIGTERM, timestamp=100),
+    }
+    assert failure_cause(raised, cause) == "ValueError: bad batch"
+    silent = {
+        1: Failure(exitcode=3, timestamp=7),
+        0: Failure(exitcode=-signal.SIGTERM, timestamp=8),
+    }
+    assert failure_cause(silent, tmp_path / "none.cause") == "trainer rank 1 ended by exit code 3"
