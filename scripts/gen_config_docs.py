@@ -133,14 +133,18 @@ $ async-grpo run configs/quickstart.yaml {example_override}
 async-grpo: error: {example_error}
 ```
 
-Besides the per-key types and the counts that must be positive, these combinations are
-refused: `batcher.samples_per_question` above `generation.max_concurrent_seqs`;
+Besides the per-key types, every number must be finite (`nan` and `inf` pass any range
+check otherwise) and within its range (counts and rates positive, coefficients and delays
+not negative, fractions in (0, 1]), and these combinations are refused: `batcher.samples_per_question` above `generation.max_concurrent_seqs`;
 `generation.max_new_tokens` not below `generation.max_model_len`;
 `batcher.max_tokens_per_gpu` below `generation.max_model_len`; `trainer.push_every - 1`
 above `batcher.max_off_policy_steps`; `trainer.loss.temperature` different from
 `generation.temperature`; `verifier.combine: weighted` without a weight for every reward.
 At start-up `run` and `train` also refuse a prompt that leaves no room to generate in
-`generation.max_model_len` (the line names `FILE:LINE`).
+`generation.max_model_len` (the line names `FILE:LINE`), and `run` refuses, before Ray
+starts: a reward name or `module:function` that does not resolve, `--resume` without a
+checkpoint, a model folder that transformers or vLLM cannot load, and chat prompts for a
+model without a chat template ([models.md](models.md)).
 """
 
 EXAMPLE_OVERRIDE = "batcher.samples_per_question=128"
