@@ -41,10 +41,11 @@ def test_the_crash_ends_the_run_with_how_to_resume(crashed_then_resumed):
     assert crash["code"] not in (0, 2), crash["console"][-4000:]
     out = crash["console"]
     assert "the trainer died (exit code" in out and "--resume" in out, out[-4000:]
-    # one line with the cause, as the launcher saw it (no rank could say: SIGKILL); no
-    # traceback or torchrun failure block on the console
-    assert re.search(r"trainer rank \d ended by signal SIGKILL", out), out[-4000:]
-    assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
+    # one line with the cause, as the launcher saw it (no rank could say: SIGKILL), not
+    # the survivor's broken connection; no torchrun failure block on the console (the
+    # surviving rank's own output as torchrun stops it, Ray's SIGTERM report, may show)
+    assert re.search(r"died \(exit code 1\): trainer rank \d ended by signal SIGKILL", out)
+    assert "ChildFailedError" not in out and "Root Cause" not in out, out[-4000:]
     assert crash["steps"] == [1, 2, 3]
 
 
