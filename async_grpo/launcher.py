@@ -27,11 +27,16 @@ from async_grpo.errors import EXIT_FILE_ENV
 STOPPED = {-signal.SIGTERM, -signal.SIGINT}  # how torchrun stops the ranks left
 
 
+def cause_path(exit_file: str | Path) -> Path:
+    """Where the run's trainer failure is said in one line: beside the exit file
+    `async-grpo run` gives its ranks."""
+    return Path(f"{exit_file}.cause")
+
+
 def cause_file() -> Path | None:
-    """Where the run's trainer failure is said in one line (beside the exit file `async-grpo
-    run` gives its ranks); None outside `async-grpo run`."""
+    """This process's `cause_path`; None outside `async-grpo run`."""
     exit_file = os.environ.get(EXIT_FILE_ENV)
-    return Path(exit_file + ".cause") if exit_file else None
+    return cause_path(exit_file) if exit_file else None
 
 
 def write_rank_cause(rank: str, line: str) -> None:
@@ -56,11 +61,12 @@ def failure_cause(failures: dict[int, object], path: Path) -> str:
     run's cause file, beside which the ranks wrote theirs."""
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode not in STOPPED}
     if killed:
-        rank = min(killed, key=lambda r: (killed[r].timestamp, r))
-        return f"trainer rank {rank} ended by signal {signal.Signals(-killed[rank].exitcode).name}"
-    said = first_rank_cause(path)
-    if said:
-        return said
+        return _ended(killed)
+    return first_rank_cause(path) or _ended(failures)
+
+
+def _ended(failures: dict[int, object]) -> str:
+    """How the first of `failures` ended, by the launcher's clock."""
     rank = min(failures, key=lambda r: (failures[r].timestamp, r))
     code = failures[rank].exitcode
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

@@ -57,10 +57,11 @@ def check_model(model_dir: Path) -> None:
 
 def vllm_architectures() -> set[str]:
     """The model architectures this vLLM serves: the keys of its registry's table of
-    models (`_VLLM_MODELS`, the union of its per-task tables), read from its source. Importing the registry takes about 4 s (all of vLLM's
-    configuration comes with it), which every run would pay before Ray starts;
-    tests/unit/test_bad_input.py checks that both give the same set. Where the source
-    holds no such tables, the registry is imported."""
+    models (`_VLLM_MODELS`, the union of its per-task tables), read from its source.
+    Importing the registry takes about 4 s (all of vLLM's configuration comes with it),
+    which every run would pay before Ray starts; tests/unit/test_bad_input.py checks that
+    both give the same set. Where the source holds no such tables, the registry is
+    imported."""
     import ast
     import importlib.util
 

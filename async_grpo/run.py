@@ -217,9 +217,9 @@ def _trainer_died(
 ) -> str:
     """The one line for a trainer that failed: its cause (what the failing rank said, or
     how the launcher saw it end) and, only where a checkpoint exists, how to continue."""
-    from async_grpo.launcher import first_rank_cause
+    from async_grpo.launcher import cause_path, first_rank_cause
 
-    cause = Path(str(exit_file) + ".cause")  # the launcher's pick (not under --verbose)
+    cause = cause_path(exit_file)  # the launcher's pick (not under --verbose)
     why = cause.read_text().strip() if cause.is_file() else first_rank_cause(cause)
     line = f"the trainer died (exit code {code}): {why or 'no cause recorded'}"
     if (Path(output_dir) / "checkpoints" / "latest").is_file():

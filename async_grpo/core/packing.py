@@ -330,8 +330,13 @@ def block_causal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -
     t = index.numel()
     causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
     allowed = causal & (index[:, None] == index[None, :])  # [T, T]
-    mask = torch.zeros(t, t, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]  # [1, 1, T, T]
+    return additive_mask(allowed, dtype)[None, None]  # [1, 1, T, T]
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where `allowed`, the dtype's minimum elsewhere: the form eager attention adds."""
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return zeros.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def shared_prefix_mask(batch: PackedBatch, window: int | None = None) -> Tensor:

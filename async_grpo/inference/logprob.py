@@ -81,6 +81,7 @@ class LogprobWorker(RegisteredWorker):
         self.model = await asyncio.to_thread(
             AutoModelForCausalLM.from_pretrained,
             self.model_dir,
+            config=config,
             dtype=precision.torch_dtype,
             attn_implementation=self.attention.implementation(config),
         )

@@ -191,13 +191,13 @@ def load_shards(policy: Policy, model_dir: Path) -> None:
 
     files = _weight_files(model_dir)
     params = dict(policy.named_parameters())  # tied weights appear once
+    absent = [n for n in params if n.removeprefix(PREFIX) not in files]
     converted = {
         n: found
-        for n in params
-        if n.removeprefix(PREFIX) not in files
-        and (found := converted_sources(policy.hf, n.removeprefix(PREFIX), files))
+        for n in absent
+        if (found := converted_sources(policy.hf, n.removeprefix(PREFIX), files))
     }
-    missing = [n for n in params if n.removeprefix(PREFIX) not in files and n not in converted]
+    missing = [n for n in absent if n not in converted]
     tied = policy.hf.config.tie_word_embeddings
     if tied and missing == [f"{PREFIX}lm_head.weight"]:
         missing = []  # the LM head is the (already loaded) embedding
@@ -228,13 +228,10 @@ def _compute_buffers(hf: nn.Module) -> None:
     also re-draw its loaded weights, e.g. Gemma's scaled embedding)."""
     for module in hf.modules():
         module.__dict__.pop("_is_hf_initialized", None)  # set when the model was built
-    for tensor in [*hf.parameters(), *hf.buffers()]:
-        tensor._is_hf_initialized = True
-    for module in hf.modules():
-        for name in getattr(module, "_non_persistent_buffers_set", ()):
-            buffer = module._buffers.get(name)
-            if buffer is not None:
-                buffer._is_hf_initialized = False
+        computed = module._non_persistent_buffers_set
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is not None:
+                tensor._is_hf_initialized = name not in computed
     hf.initialize_weights()
 
 

@@ -95,7 +95,7 @@ class WeightPusher:
         # what goes on the wire, in the files' layout: (name, shape, parameter, part)
         self.hf = getattr(policy, "hf", policy)
         self.wire = _wire_tensors(self.hf, self.params)
-        self._parts: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
+        self._parts: tuple[int, dict[str | None, torch.Tensor]] = (-1, {})
         self.rank, self.device, self.forced = rank, device, transport
         self.timeout_s, self.chunk_limit, self.worker_wait_s = timeout_s, chunk_limit, worker_wait_s
         self.in_flight = in_flight  # running requests continue on the new weights
@@ -135,7 +135,7 @@ class WeightPusher:
         t0 = time.perf_counter()
         for tries_left in (1, 0):
             self._gathered = 0
-            self._parts = (-1, None)
+            self._parts = (-1, {})
             try:
                 t1, t2, sent, versions, drains = self._push_once(version)
             except GroupBroken as e:  # the survivors are paused mid-update: send it again
@@ -232,12 +232,11 @@ class WeightPusher:
         same parameters in the same order), whole or one part of its files' layout."""
         _, _, index, part = self.wire[i]
         if self._parts[0] != index:
-            full = _full(self.params[index][1]).detach()
+            name, param = self.params[index]
+            full = _full(param).detach()
             self._gathered = index + 1
-            parts = None
-            if part is not None:
-                parts = file_layout(self.hf, self.params[index][0], full)
-            self._parts = (index, parts if parts is not None else {None: full})
+            parts = {None: full} if part is None else file_layout(self.hf, name, full)
+            self._parts = (index, parts)
         return self._parts[1][part]
 
     def _drain_slot(self, in_slot: list[tuple[dict[str, Any], Any, int] | None], s: int) -> None:

@@ -43,17 +43,17 @@ def layer_windows(config: Any) -> dict[str, int | None]:
     them: `layer_types` where the family has them (Gemma-2/3, Qwen2/3, Cohere-2), else one
     kind of layer, windowed by `sliding_window` if set (Mistral, Phi-3). A query at
     position p sees keys at positions p - window + 1 .. p, as transformers and vLLM do."""
-    window = getattr(config, "sliding_window", None) if config is not None else None
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    unknown = kinds - {"full_attention", "sliding_attention"}
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:
+        return {"full_attention": window}
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
     if unknown:
         raise ValueError(
             f"model type {getattr(config, 'model_type', '?')!r}: layer types {sorted(unknown)}"
             " are not supported (full and sliding-window attention are)"
         )
-    if not getattr(config, "layer_types", None):
-        return {"full_attention": window}
-    return {k: (window if k == "sliding_attention" else None) for k in sorted(kinds)}
+    return {k: (window if k == "sliding_attention" else None) for k in sorted(set(kinds))}
 
 
 def one_or_per_layer(masks: dict[str, Any]) -> Any:

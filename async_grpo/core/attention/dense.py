@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from async_grpo.core.attention.base import AttentionBackend, layer_windows, one_or_per_layer
-from async_grpo.core.packing import PackedBatch, block_causal_mask, shared_prefix_mask
+from async_grpo.core.packing import (
+    PackedBatch,
+    additive_mask,
+    block_causal_mask,
+    shared_prefix_mask,
+)
 
 
 class DenseAttention(AttentionBackend):
@@ -33,15 +36,8 @@ class DenseAttention(AttentionBackend):
             windows = layer_windows(config)
             masks = {k: shared_prefix_mask(batch, w) for k, w in windows.items()}  # bool
             if getattr(config, "_attn_implementation", "sdpa") == "eager":
-                masks = {k: _additive(m, dtype) for k, m in masks.items()}
+                masks = {k: additive_mask(m, dtype) for k, m in masks.items()}
             return one_or_per_layer(masks)  # [1, 1, T, T] each
         if self.explicit_mask:
             return block_causal_mask(batch.seq_lens, dtype).to(batch.input_ids.device)
         return None
-
-
-def _additive(allowed: Any, dtype: Any) -> Any:
-    """0 where `allowed`, the dtype's minimum elsewhere (what eager attention adds)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )
