@@ -77,6 +77,7 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
 
         self._in_place = reloads_in_place(self.model)
         if not self._in_place:
+            prepack_experts_on_update(self.model)
             initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -138,9 +139,41 @@ def reloads_in_place(model: torch.nn.Module) -> bool:
         method = getattr(module, "quant_method", None)
         if method is not None and "Unquantized" not in type(method).__name__:
             return False
+        if getattr(method, "moe_kernel", None) is not None:
+            return False  # fused experts: their kernel holds its own layout (CPU: prepacked)
         if isinstance(method, UnquantizedLinearMethod) and module.weight.numel() == 0:
             return False  # repacked: vLLM dropped the weight
     return True
+
+
+def prepack_experts_on_update(model: torch.nn.Module) -> None:
+    """Make every fused-experts layer of `model` redo its kernel's own post-load step
+    (vLLM-CPU: pad and prepack into its grouped-GEMM layout) when an update reloads it.
+
+    vLLM 0.32 runs that step only at the first load: on an update,
+    `UnquantizedFusedMoEMethod._setup_kernel` copies the freshly loaded weights in and
+    skips `fused_experts.process_weights_after_loading`, so the CPU kernel reads plain
+    weights as prepacked ones (a Qwen3-MoE engine's log-probs moved by up to 0.06 nats
+    after a push of the very weights it had loaded). Wrapped once per layer; idempotent."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is None or getattr(method, "_async_grpo_prepacks", False):
+            continue
+        experts = getattr(kernel, "fused_experts", None)
+        post_load = getattr(type(experts), "process_weights_after_loading", None)
+        if post_load in (None, FusedMoEExperts.process_weights_after_loading):
+            continue  # this kernel reads the weights as loaded
+        setup = method._setup_kernel
+
+        def setup_then_prepack(layer, w13, w2, _setup=setup, _experts=experts):
+            _setup(layer=layer, w13=w13, w2=w2)
+            _experts.process_weights_after_loading(layer)
+
+        method._setup_kernel = setup_then_prepack
+        method._async_grpo_prepacks = True
 
 
 def _own_pending(flat: torch.Tensor) -> None:

