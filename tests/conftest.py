@@ -49,6 +49,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """The real Gemma 3 270M base model as a Hugging Face folder (converted once, cached)."""
+    from async_grpo.models import GEMMA3_NAME, prepare_model
+
+    return prepare_model(GEMMA3_NAME)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     """A 2-layer random llama with the SmolLM2 tokenizer (loads in vLLM: head dim 64)."""
     from async_grpo.models import make_tiny_model

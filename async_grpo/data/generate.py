@@ -26,6 +26,10 @@ MATH_PROMPT = "{question} Give the final answer inside \\boxed{{}}."
 # with the right number in ~19% of samples at T=1 (probed against five other phrasings,
 # 3-14%), so GRPO groups of 8 usually hold a reward to learn from.
 ARITHMETIC_PROMPT = "Example: 3 + 4 = 7.\nNow compute {a} {op} {b} and reply with the result only."
+# For a base model, as plain text: three worked lines, then the question to complete. A base
+# model goes on writing after its answer, so its reward is `first_number`. Step 0 of Gemma
+# 3 270M (96 samples at temperature 1): the first number is right in 55%, the last in 8%.
+ARITHMETIC_PLAIN_PROMPT = "3 + 4 = 7\n9 - 2 = 7\n5 * 3 = 15\n{a} {op} {b} ="
 
 
 def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fraction]:
@@ -88,9 +92,12 @@ def math_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def arithmetic_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
+def arithmetic_rows(
+    n: int, seed: int, max_operand: int = 9, plain: bool = False
+) -> list[dict[str, Any]]:
     """`n` one-step questions `a + b`, `a - b` (never negative) or `a * b` with operands in
-    1..max_operand; `answer` is the integer result as a string (for the `last_number` reward)."""
+    1..max_operand; `answer` is the integer result as a string (for the `last_number`
+    reward; `first_number` for the `plain` prompts, written for base models)."""
     if max_operand < 1:
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
     rng = random.Random(seed)
@@ -101,7 +108,8 @@ def arithmetic_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, A
         if op == "-" and b > a:
             a, b = b, a
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        rows.append({"input": ARITHMETIC_PROMPT.format(a=a, op=op, b=b), "answer": str(value)})
+        prompt = ARITHMETIC_PLAIN_PROMPT if plain else ARITHMETIC_PROMPT
+        rows.append({"input": prompt.format(a=a, op=op, b=b), "answer": str(value)})
     return rows
 
 

@@ -51,8 +51,9 @@ def _trainer_logprobs(hf, prompt: list[int], completion: list[int]) -> torch.Ten
 # no lm_head, a scaled embedding; fused experts that the CPU kernel prepacks); `-m slow`
 # runs the rest, and Qwen3-MoE once more with plain linear layers (`cpu_linear: torch`,
 # where the other families' updates write in place)
-DEFAULT = {"gemma2", "gemma3_text", "qwen3_moe"}
-CASES = [(f, "onednn") for f in FAMILIES] + [("qwen3_moe", "torch")]
+REAL_GEMMA3 = "gemma3-270m"  # the real weights (models.prepare_model), not a tiny model
+DEFAULT = {"gemma2", "gemma3_text", "qwen3_moe", REAL_GEMMA3}
+CASES = [(f, "onednn") for f in [*FAMILIES, REAL_GEMMA3]] + [("qwen3_moe", "torch")]
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ CASES = [(f, "onednn") for f in FAMILIES] + [("qwen3_moe", "torch")]
     ],
 )
 def test_a_pushed_engine_samples_with_the_trainers_logprobs(
-    cluster, smollm2_dir, tmp_path, family, cpu_linear
+    request, cluster, smollm2_dir, tmp_path, family, cpu_linear
 ):
     import ray
     from transformers import AutoModelForCausalLM
@@ -71,7 +72,10 @@ def test_a_pushed_engine_samples_with_the_trainers_logprobs(
     from async_grpo.inference.launch import start_generation_workers, stop_workers
     from async_grpo.trainer.push import WeightPusher
 
-    model_dir = make_family_model(family, tmp_path / family, smollm2_dir, seed=2)
+    if family == REAL_GEMMA3:
+        model_dir = request.getfixturevalue("gemma3_dir")
+    else:
+        model_dir = make_family_model(family, tmp_path / family, smollm2_dir, seed=2)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = list(range(100, 110))
     cfg = dataclasses.replace(CFG, cpu_linear=cpu_linear)
@@ -81,9 +85,10 @@ def test_a_pushed_engine_samples_with_the_trainers_logprobs(
         loaded = _trainer_logprobs(hf, prompt, before.token_ids) - torch.tensor(before.logprobs)
         assert loaded.abs().max().item() < 1e-3, loaded.abs().max()  # the engine's own load
         gen = torch.Generator().manual_seed(0)
+        scale = 0.05 if family == REAL_GEMMA3 else 0.5  # a trained model stays one
         with torch.no_grad():
             for p in hf.parameters():
-                p.add_(0.5 * p.std() * torch.randn(p.shape, generator=gen))
+                p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
         pusher = WeightPusher(_Wrapped(hf), rank=0, timeout_s=120.0)
         try:
             assert pusher.push(1)["worker_version/min"] == 1

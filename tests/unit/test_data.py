@@ -75,6 +75,8 @@ def test_shipped_sample_data_is_valid():
         "countdown.jsonl",
         "math.jsonl",
         "arithmetic.jsonl",
+        "arithmetic-plain.jsonl",
+        "arithmetic-plain-heldout.jsonl",
         "calculator.jsonl",
         "guess.jsonl",
     ):
@@ -108,6 +110,23 @@ def test_arithmetic_generator_is_seeded_and_correct():
         assert int(row["answer"]) == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
         ops.add(op)
     assert ops == {"+", "-", "*"}
+
+
+def test_plain_arithmetic_asks_the_same_questions_as_text_to_complete():
+    chat, plain = arithmetic_rows(50, seed=2), arithmetic_rows(50, seed=2, plain=True)
+    for c, p in zip(chat, plain, strict=True):
+        a, op, b = c["input"].split("compute ")[1].split(" and")[0].split()
+        assert p["input"].endswith(f"\n{a} {op} {b} =") and p["answer"] == c["answer"]
+    # the shipped held-out set asks the chat set's held-out questions
+    held = [
+        r.input.rsplit("\n", 1)[1]
+        for r in load_prompts(REPO / "sample-data/arithmetic-plain-heldout.jsonl")
+    ]
+    chat_held = [
+        r.input.split("compute ")[1].split(" and")[0] + " ="
+        for r in load_prompts(REPO / "sample-data/arithmetic-heldout.jsonl")
+    ]
+    assert sorted(held) == sorted(chat_held)
 
 
 def test_multi_turn_generators_are_seeded_and_correct():

@@ -1,5 +1,5 @@
 """The family matrix, trainer side: for each family's tiny random model (async_grpo/
-model_families.py), the trainer's load equals transformers' own `from_pretrained` in every
+model_families.py), and for the real Gemma 3 270M, the trainer's load equals transformers' own `from_pretrained` in every
 parameter and buffer, and its log-probs on a packed row, prompts shared or not, equal
 transformers' forward on each sequence alone to 1e-5 (fp32). The sequences are longer
 than the families' sliding windows. (Engine side, after a push: tests/integration.)"""
@@ -17,6 +17,8 @@ from async_grpo.model_families import FAMILIES, WINDOW, make_family_model
 from async_grpo.trainer.model import build_policy
 
 TEMPERATURE = 0.9
+REAL = "gemma3-270m"  # real weights (models.prepare_model), beside the tiny random models
+MATRIX = [*FAMILIES, REAL]
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +27,20 @@ def gloo_world():
         yield
 
 
+class _Dirs(dict):
+    """The tiny families' folders; the real model's is prepared (once, cached) when asked."""
+
+    def __missing__(self, name: str):
+        from async_grpo.models import prepare_model
+
+        self[name] = prepare_model(name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("families")
-    return {f: make_family_model(f, root / f, smollm2_dir, seed=1) for f in FAMILIES}
+    return _Dirs({f: make_family_model(f, root / f, smollm2_dir, seed=1) for f in FAMILIES})
 
 
 def _reference(model_dir):
@@ -68,7 +80,7 @@ def _alone(model, s: PackInput) -> torch.Tensor:
     return logp.gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]  # [C]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", MATRIX)
 def test_load_equals_transformers(gloo_world, family_dirs, family):
     """Every parameter and buffer (rotary tables of each kind, embedding scales) after the
     trainer's sharded load is what `from_pretrained` gives; nothing loaded is re-drawn."""
@@ -84,9 +96,11 @@ def test_load_equals_transformers(gloo_world, family_dirs, family):
         assert torch.equal(mine.detach(), tensor.detach()), name
 
 
-@pytest.mark.parametrize("backend", ["dense", "flex"])
 @pytest.mark.parametrize("share_prompts", [False, True], ids=["unshared", "shared"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    ("family", "backend"),
+    [(f, b) for f in FAMILIES for b in ("dense", "flex")] + [(REAL, "dense")],
+)
 def test_packed_logprobs_equal_each_sequence_alone(
     gloo_world, family_dirs, family, share_prompts, backend
 ):
@@ -96,6 +110,10 @@ def test_packed_logprobs_equal_each_sequence_alone(
     attention = FlexAttention(max_tokens=256) if backend == "flex" else None
     policy = _policy(family_dirs[family], attention)
     samples = _samples(reference.config.vocab_size)
+    # the real model's 18 layers put random tokens near -19 nats, where transformers' own
+    # eager and SDPA forwards differ by 2.5e-5; a mask that leaks or drops keys is off by
+    # tenths of a nat
+    tolerance = 1e-4 if family == REAL else 1e-5
     batch = policy.attention.prepare(pack(samples, share_prompts=share_prompts))
     assert batch.needs_explicit_mask == share_prompts
     with torch.no_grad():
@@ -104,10 +122,10 @@ def test_packed_logprobs_equal_each_sequence_alone(
         mine = logp[(batch.sample_index == i) & batch.loss_mask]  # [C]
         expected = _alone(reference, s)
         err = (mine - expected).abs().max().item()
-        assert err < 1e-5, (i, err)
+        assert err < tolerance, (i, err)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", MATRIX)
 def test_a_push_sends_the_files_tensors_under_their_names(family_dirs, family):
     """What a push puts on the wire for each parameter of the trainer's model is exactly a
     tensor of the model's files, under the file's name (fused experts go back to one

@@ -1,11 +1,12 @@
-"""Last-number reward: which number is read, exact comparison, and hostile completions."""
+"""Number rewards (last and first): which number is read, exact comparison, and hostile
+completions."""
 
 import time
 
 import pytest
 
 from async_grpo.rewards import RewardInput, get_reward
-from async_grpo.rewards.number import last_number
+from async_grpo.rewards.number import first_number, last_number
 
 
 def score(completion: str, answer: object = "12"):
@@ -56,3 +57,13 @@ def test_hostile_completions_are_cheap():
     assert score("1," * 50_000 + "12").reward == 1.0
     assert score("-" * 100_000).reward == 0.0
     assert time.perf_counter() - t < 2.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [(" 12\n5 + 4 = 9", 1.0), (" 12", 1.0), (" 13\n12", 0.0), (" x\n", 0.0), ("-12", 0.0)],
+)
+def test_first_number_reads_what_a_base_model_writes_first(completion, reward):
+    out = get_reward("first_number")(RewardInput("7 + 5 =", completion, "12", {}))
+    assert out.reward == reward
+    assert first_number("a 1,234 then 5") == 1234 and first_number("none") is None
