@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -90,13 +91,18 @@ def _train(args: argparse.Namespace) -> int:
     from async_grpo.trainer.loop import train
 
     cfg = load_config(args.config, args.overrides)
+    under_run = bool(os.environ.get(EXIT_FILE_ENV))
     try:
         train(cfg, args.address or cfg.ray_address, args.resume, args.verbose)
     except Exception as e:
-        if isinstance(e, UserError) or not os.environ.get(EXIT_FILE_ENV):
+        if isinstance(e, UserError) or not under_run:
             raise  # a user error is one line already; run by hand, the traceback shows
         _trainer_failed(e, cfg.output_dir, args.verbose)
         return 1
+    finally:
+        if under_run:  # past train(), the stop that torchrun sends the ranks just ends this
+            # one; Ray's handler would raise SystemExit into the interpreter's shutdown
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 0
 
 

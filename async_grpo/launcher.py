@@ -11,7 +11,11 @@ nothing changes.
 Which failure is the cause: when one rank dies, the others fail moments later on their
 broken connections ("Connection reset by peer") and torchrun stops the rest with SIGTERM.
 So a rank killed by any other signal (the OOM killer's SIGKILL, a crash) is the cause;
-failing that, the rank that raised first; failing that, the first failure torchrun saw."""
+failing that, the rank that raised first; failing that, the first failure torchrun saw.
+
+When the run stops the trainer (Ctrl-C, SIGTERM, a failed pool), this process gets SIGTERM,
+which torchrun raises as `SignalException` after stopping the ranks; it ends with exit
+code 128 + the signal and no traceback: the run says why it stopped."""
 
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ def _ended(failures: dict[int, object]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -85,6 +90,8 @@ def main(argv: list[str]) -> int:
         if path is not None:
             path.write_text(failure_cause(e.failures, path) + "\n")
         return 1
+    except SignalException as e:
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -345,6 +345,9 @@ def run_local(
             "OMP_WAIT_POLICY": "PASSIVE",
             "RAY_AUTH_MODE": "disabled",
         }
+        if not verbose:  # a rank stopped by SIGTERM ends quietly (Ray's handler prints a C++
+            # stack report for it); a real crash still prints Python's stacks (faulthandler)
+            env |= {"RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1", "PYTHONFAULTHANDLER": "1"}
         trainer = subprocess.Popen(
             torchrun_command(cfg, config_path, overrides, address, resume, verbose),
             env=env,

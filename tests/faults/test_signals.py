@@ -47,6 +47,9 @@ def test_a_signal_stops_everything(sig, code, line, tiny_model_dir, tmp_path):
             proc.kill()
     assert proc.returncode == code, out[-4000:]
     assert line in out
+    if sig != signal.SIGKILL:  # the stop is said in one line: no launcher traceback, no
+        # rank's C++ signal report
+        assert "Traceback" not in out and "SIGTERM received" not in out, out[-4000:]
     assert_all_gone(tag)
     took = time.monotonic() - t
     assert took < 120, f"{sig.name}: the run took {took:.0f}s to be gone"
