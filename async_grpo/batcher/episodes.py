@@ -44,6 +44,7 @@ class _Episode:
     reward: float = 0.0
     done: bool = False
     error: str = ""
+    cut: bool = False  # a model turn ended at its token limit (`truncated`, as single-turn)
     turns: int = 0
     steps: int = 0
     step_s: float = 0.0
@@ -125,7 +126,7 @@ class EpisodeRunner:
                 {},
                 0.0,
                 min(e.versions, default=min_version),
-                not e.done and not e.error,
+                e.cut,
                 None,
                 e.mask,
                 e.figures(),
@@ -180,6 +181,7 @@ class EpisodeRunner:
             )
             ep.add(c.token_ids, c.logprobs)
             ids += c.token_ids
+            ep.cut |= c.finish_reason == "length"
             ep.versions.append(c.policy_version)
             ep.turns += 1
             t0 = time.monotonic()
@@ -202,8 +204,7 @@ class EpisodeRunner:
                 break
             if turn + 1 == self.max_turns:
                 break
-            closed = bool(c.token_ids) and c.token_ids[-1] == self.format.eos_id
-            between, cut = self.format.between(result.observation, closed)
+            between, cut = self.format.between(result.observation, self.format.closed(c.token_ids))
             ep.cut_observations += cut
             if len(ep.ids) + len(between) >= self.budget or len(ids) + len(between) >= max_len:
                 break  # no room left for another model turn
@@ -213,10 +214,23 @@ class EpisodeRunner:
 
 
 def turn_format(cfg: RunConfig) -> TurnFormat:
-    """The run's TurnFormat, from the model's tokenizer."""
+    """The run's TurnFormat, from the model's tokenizer and the ids its engine stops on."""
     from transformers import AutoTokenizer
 
     from async_grpo.models import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model))
-    return TurnFormat(tokenizer, cfg.environment.max_observation_tokens)
+    model_dir = resolve_model(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return TurnFormat(tokenizer, cfg.environment.max_observation_tokens, stop_ids(model_dir))
+
+
+def stop_ids(model_dir: Any) -> list[int]:
+    """The EOS ids of the model's `generation_config.json` (vLLM stops on each)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos or [])

@@ -15,9 +15,14 @@ _ACTION, _OBSERVATION = "\x00ACTION\x00", "\x00OBSERVATION\x00"
 
 
 class TurnFormat:
-    """`between(observation, model_closed_turn)` -> the ids to append after a model turn."""
+    """`between(observation, model_closed_turn)` -> the ids to append after a model turn.
 
-    def __init__(self, tokenizer: Any, max_tokens: int) -> None:
+    `stop_ids`: every token id the engine stops on (the tokenizer's EOS and the model's
+    `generation_config` EOS ids). The one whose text opens what the template writes after
+    a model turn (`<|im_end|>`, Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`) is the
+    turn's close: a model turn that ends with it is closed already."""
+
+    def __init__(self, tokenizer: Any, max_tokens: int, stop_ids: Any = ()) -> None:
         self.tokenizer, self.max_tokens = tokenizer, max_tokens
         chat = [
             {"role": "user", "content": "question"},
@@ -27,11 +32,18 @@ class TurnFormat:
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         after_action = text.split(_ACTION, 1)[1]
         before, self._after = after_action.split(_OBSERVATION, 1)
-        self.eos_id = tokenizer.eos_token_id
-        eos = tokenizer.eos_token or ""
-        # what closes the model's turn; the model writes it itself when it stops on EOS
-        self._close = eos if eos and before.startswith(eos) else ""
+        ids = [tokenizer.eos_token_id, *stop_ids]
+        self.stop_ids = {i for i in ids if i is not None}
+        self.close_id, self._close = None, ""  # the template's close of a model turn
+        for i in sorted(self.stop_ids):
+            close = tokenizer.decode([i])
+            if close and before.startswith(close) and len(close) > len(self._close):
+                self.close_id, self._close = i, close
         self._before = before[len(self._close) :]
+
+    def closed(self, token_ids: list[int]) -> bool:
+        """Whether a model turn of `token_ids` ends with the template's own close."""
+        return bool(token_ids) and token_ids[-1] == self.close_id
 
     def _ids(self, text: str, split_special: bool) -> list[int]:
         return self.tokenizer(

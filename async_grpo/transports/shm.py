@@ -62,8 +62,12 @@ class SharedSlots:
         run = os.environ.get(RUN_ID_ENV)
         name = f"{run}-{uuid.uuid4().hex[:12]}" if run else uuid.uuid4().hex[:12]
         self.path = os.path.join(directory, f"async-grpo-weights-{name}")
-        with open(self.path, "wb") as f:
-            f.truncate(need)
+        # 0600: the weights are the run's own (the workers run as the same user)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, need)
+        finally:
+            os.close(fd)
         self.slot_bytes = slot_bytes
         self.flat = torch.from_file(self.path, shared=True, size=need, dtype=torch.uint8)
 

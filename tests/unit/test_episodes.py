@@ -57,10 +57,11 @@ class ScriptedModel:
             a, b = re.findall(r"\d+", last_user)[:2]
             text = f"<calc>{a} * {b}</calc>"
         token_ids = self.tok(text, add_special_tokens=False).input_ids
+        cut = len(token_ids) >= sampling.max_new_tokens  # vLLM: finish_reason "length"
         token_ids = token_ids[: sampling.max_new_tokens]
-        if self.close_turn and len(token_ids) < sampling.max_new_tokens:
+        if self.close_turn and not cut:
             token_ids = [*token_ids, self.tok.eos_token_id]
-        finish = "stop" if self.close_turn else "length"
+        finish = "length" if cut or not self.close_turn else "stop"
         return [Completion(token_ids, [LOGPROB] * len(token_ids), text, finish, self.version)]
 
 
@@ -210,10 +211,18 @@ def test_turns_and_tokens_are_bounded(tokenizer):
     group, worker = _group(
         _cfg("test_breaks", max_turns=3), tokenizer, ScriptedModel(tokenizer), prompt
     )
-    assert all(s.episode["turns"] == 3 and s.truncated and s.reward == 1.5 for s in group)
-    short = _cfg("test_breaks", max_turns=3, max_episode_tokens=20)
-    group, worker = _group(short, tokenizer, ScriptedModel(tokenizer), prompt)
-    assert all(len(s.completion_ids) <= 20 and s.truncated for s in group)
+    # out of turns, each turn closed: not truncated (`mask_truncated` keeps these failures
+    # in the loss; it once dropped exactly the episodes that never finished)
+    assert all(s.episode["turns"] == 3 and not s.truncated and s.reward == 1.5 for s in group)
+    # out of tokens: with 20, no room is left for a second turn after the first's 11
+    # tokens and the observation (nothing cut); with 26 the second turn is cut at the
+    # budget, and the episode is truncated
+    for budget, turns, cut in [(20, 1, False), (26, 2, True)]:
+        short = _cfg("test_breaks", max_turns=3, max_episode_tokens=budget)
+        group, worker = _group(short, tokenizer, ScriptedModel(tokenizer), prompt)
+        for s in group:
+            assert len(s.completion_ids) <= budget and s.episode["turns"] == turns
+            assert s.truncated == cut
     assert worker.live() == 0
 
 
@@ -281,3 +290,36 @@ def test_an_episode_survives_the_checkpoint_round_trip(tokenizer, tmp_path):
     group, _ = _group(_cfg(), tokenizer, ScriptedModel(tokenizer), _prompt(tokenizer, 5, 6))
     (tmp_path / PENDING_FILE).write_text(json.dumps({"3": [[asdict(s) for s in group], None]}))
     assert load_pending(tmp_path) == {3: [group, None]}
+
+
+@pytest.mark.parametrize("close_is_eos", [True, False], ids=["close-is-eos", "close-is-not-eos"])
+def test_a_turn_closed_by_a_stop_id_reads_as_the_template_renders_it(tokenizer, close_is_eos):
+    """A model turn that ends on the template's close is not closed a second time, also
+    when that close is not the tokenizer's EOS but one of the engine's other stop ids (as
+    Gemma's <end_of_turn> and Llama 3's <|eot_id|> are)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    stop = []
+    if not close_is_eos:
+        tok.eos_token = "<|endoftext|>"
+        stop = [im_end]  # generation_config's eos_token_id
+    fmt = TurnFormat(tok, 16, stop)
+    question, call = "What is 2 * 3?", "<calc>2 * 3</calc>"
+    action = tok(call, add_special_tokens=False).input_ids + [im_end]  # stopped on the close
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    ids = list(getattr(ids, "input_ids", ids)) + action
+    ids += fmt.between("6", fmt.closed(action))[0]
+    chat = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": call},
+        {"role": "user", "content": "6"},
+    ]
+    assert tok.decode(ids) == tok.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    cut = action[:-1]  # a turn cut at its limit: the close is added
+    assert tok.decode(fmt.between("6", fmt.closed(cut))[0]).startswith("<|im_end|>")

@@ -108,10 +108,12 @@ def _read_in_another_process(path: str, slot_bytes: int) -> list[int]:
 
 def test_shared_slots_are_seen_by_another_process_and_removed_on_close():
     import os
+    import stat
 
     from async_grpo.transports.shm import SharedSlots
 
     slots = SharedSlots(64)
+    assert stat.S_IMODE(os.stat(slots.path).st_mode) == 0o600  # the owner's alone
     slots.slot(1)[:8] = torch.arange(8, dtype=torch.uint8)
     assert _read_in_another_process(slots.path, 64) == list(range(8))
     slots.slot(1)[:8] = 7  # reused in place: a reader sees the new bytes
