@@ -81,3 +81,17 @@ def test_the_trainer_failure_line_names_the_cause_not_its_consequences(tmp_path)
         0: Failure(exitcode=-signal.SIGTERM, timestamp=8),
     }
     assert failure_cause(silent, tmp_path / "none.cause") == "trainer rank 1 ended by exit code 3"
+
+
+@pytest.mark.parametrize("eval_timeout_s", [600.0, 7200.0])
+def test_the_process_group_outlasts_rank_0s_longest_named_wait(eval_timeout_s):
+    """Other ranks wait in a collective while rank 0 waits for the batcher, then for an
+    evaluation: their group timeout must come after both of rank 0's own (named) limits."""
+    from async_grpo.config import load_config
+    from async_grpo.evaluation.hook import COLLECT_SLACK_S
+    from async_grpo.trainer.batcher_link import GET_TIMEOUT_S
+    from async_grpo.trainer.loop import group_timeout
+
+    cfg = load_config(None, [f"eval.timeout_s={eval_timeout_s}"])
+    rank0 = (GET_TIMEOUT_S + 60) + (eval_timeout_s + COLLECT_SLACK_S)
+    assert group_timeout(cfg).total_seconds() > rank0 + 60
