@@ -295,6 +295,8 @@ class ExperienceBatcher:
                 group = await self._maker.find(step, slot, index)
             if group is None:
                 self.books[step]["samples/missing"] += n
+                if self.curriculum is not None:  # seen and never passed: drawn less
+                    self.curriculum.record(step, index, 0, n)  # than an unseen prompt
             self._groups[step][slot] = group
             await self._ready[step].put(group)
         finally:

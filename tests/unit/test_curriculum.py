@@ -77,15 +77,21 @@ def test_config_refuses_a_zero_floor():
         load_config(None, ["batcher.curriculum=true", "batcher.curriculum_floor=0"])
 
 
-def test_the_batcher_draws_by_mastery_and_reports_it():
+@pytest.mark.parametrize("fail", [False, True], ids=["all-made", "one-failed"])
+def test_the_batcher_draws_by_mastery_and_reports_it(fail):
+    """A group that failed counts as seen and never passing: a prompt that always fails
+    is drawn less, not with an unseen prompt's weight (11x a mastered one's)."""
     from test_batcher import BUDGET, _cfg, _make
 
+    from async_grpo.inference.types import RequestError
+
+    gen_kw = {"failures": [RequestError("prompt too long")]} if fail else None
     cfg = _cfg()
     cfg = replace(cfg, batcher=replace(cfg.batcher, curriculum=True, curriculum_pass=1.0))
     assert isinstance(cfg.batcher, BatcherConfig) and BUDGET
 
     async def main():
-        b, _ = _make(cfg)
+        b, _ = _make(cfg, gen_kw)
         await b.start(0)
         await b.set_version(0)
         rounds = 0
@@ -101,3 +107,4 @@ def test_the_batcher_draws_by_mastery_and_reports_it():
     assert eob.stats["curriculum/prompts_seen"] == 4.0
     assert sum(b.curriculum._results[0][i][2] for i in range(4)) == 16  # 4 groups of 4
     assert {r[0] for r in b.curriculum._results[0]} == set(b.curriculum.draw(0, 4))
+    assert sum(r[1] == 0 and r[2] == 4 for r in b.curriculum._results[0]) >= fail
