@@ -44,7 +44,7 @@ class _Episode:
     reward: float = 0.0
     done: bool = False
     error: str = ""
-    cut: bool = False  # a model turn ended at its token limit (`truncated`, as single-turn)
+    truncated: bool = False  # a model turn ended at its token limit, as a single completion
     turns: int = 0
     steps: int = 0
     step_s: float = 0.0
@@ -126,7 +126,7 @@ class EpisodeRunner:
                 {},
                 0.0,
                 min(e.versions, default=min_version),
-                e.cut,
+                e.truncated,
                 None,
                 e.mask,
                 e.figures(),
@@ -181,7 +181,7 @@ class EpisodeRunner:
             )
             ep.add(c.token_ids, c.logprobs)
             ids += c.token_ids
-            ep.cut |= c.finish_reason == "length"
+            ep.truncated |= c.finish_reason == "length"
             ep.versions.append(c.policy_version)
             ep.turns += 1
             t0 = time.monotonic()

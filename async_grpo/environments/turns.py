@@ -32,10 +32,9 @@ class TurnFormat:
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         after_action = text.split(_ACTION, 1)[1]
         before, self._after = after_action.split(_OBSERVATION, 1)
-        ids = [tokenizer.eos_token_id, *stop_ids]
-        self.stop_ids = {i for i in ids if i is not None}
+        stops = {i for i in (tokenizer.eos_token_id, *stop_ids) if i is not None}
         self.close_id, self._close = None, ""  # the template's close of a model turn
-        for i in sorted(self.stop_ids):
+        for i in sorted(stops):
             close = tokenizer.decode([i])
             if close and before.startswith(close) and len(close) > len(self._close):
                 self.close_id, self._close = i, close

@@ -8,6 +8,7 @@ tests drive a real `Trainer.step` with any object that has `next` and `set_versi
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,20 @@ from async_grpo.batcher.types import EndOfBatch, Minibatch
 from async_grpo.config import RunConfig
 
 GET_TIMEOUT_S = 3600.0
+ANSWER_SLACK_S = 60.0  # past the batcher's own limit, for its answer to arrive
+GROUP_SLACK_S = 600.0
+
+
+def group_timeout(cfg: RunConfig) -> timedelta:
+    """The trainer's process-group timeout: past rank 0's longest named wait between two
+    collectives (the batcher's `wait_generated`, then an evaluation before the push), so
+    that wait says what it waited for, not an opaque gloo/NCCL timeout on the other ranks
+    (the default is 30 min; `wait_generated` alone may take an hour)."""
+    from async_grpo.evaluation.hook import COLLECT_SLACK_S
+
+    generated = GET_TIMEOUT_S + ANSWER_SLACK_S  # RemoteBatcher.wait_generated's limit
+    evaluation = cfg.eval.timeout_s + COLLECT_SLACK_S
+    return timedelta(seconds=generated + evaluation + GROUP_SLACK_S)
 
 
 class RemoteBatcher:
@@ -31,7 +46,7 @@ class RemoteBatcher:
         import ray
 
         ref = self.handle.get.remote(self.rank, self.timeout_s)
-        return ray.get(ref, timeout=self.timeout_s + 60)
+        return ray.get(ref, timeout=self.timeout_s + ANSWER_SLACK_S)
 
     def start(
         self,
@@ -47,7 +62,7 @@ class RemoteBatcher:
 
     def wait_generated(self) -> None:
         """Until every step the current version allows is generated (before a push)."""
-        self._call("wait_generated", self.timeout_s, timeout_s=self.timeout_s + 60)
+        self._call("wait_generated", self.timeout_s, timeout_s=self.timeout_s + ANSWER_SLACK_S)
 
     def pending(self, from_step: int) -> dict[int, Any]:
         """The generated, untrained groups of steps >= `from_step` (for a checkpoint)."""

@@ -15,7 +15,6 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -415,7 +414,7 @@ def build_trainer(
     from async_grpo.ray_utils import connect
     from async_grpo.run import wait_for_pools
     from async_grpo.trainer import checkpoint
-    from async_grpo.trainer.batcher_link import setup_batcher
+    from async_grpo.trainer.batcher_link import group_timeout, setup_batcher
     from async_grpo.trainer.model import build_optimizer, build_policy
 
     t = cfg.trainer
@@ -487,22 +486,6 @@ def rank0_hooks(cfg: RunConfig, trainer: Trainer) -> list[Any]:
 
         hooks.append(EvalHook(cfg, trainer.model_dir, trainer.start))
     return hooks + load_hooks(cfg.hooks)
-
-
-GROUP_SLACK_S = 600.0
-
-
-def group_timeout(cfg: RunConfig) -> timedelta:
-    """The process group's timeout: past rank 0's longest named wait between two
-    collectives (the batcher's `wait_generated`, then an evaluation before the push), so
-    that wait says what it waited for, not an opaque gloo/NCCL timeout on the other ranks
-    (the default is 30 min; `wait_generated` alone may take an hour)."""
-    from async_grpo.evaluation.hook import COLLECT_SLACK_S
-    from async_grpo.trainer.batcher_link import GET_TIMEOUT_S
-
-    generated = GET_TIMEOUT_S + 60.0  # BatcherLink.wait_generated's own limit
-    evaluation = cfg.eval.timeout_s + COLLECT_SLACK_S
-    return timedelta(seconds=generated + evaluation + GROUP_SLACK_S)
 
 
 def train(

@@ -89,8 +89,7 @@ def test_the_process_group_outlasts_rank_0s_longest_named_wait(eval_timeout_s):
     evaluation: their group timeout must come after both of rank 0's own (named) limits."""
     from async_grpo.config import load_config
     from async_grpo.evaluation.hook import COLLECT_SLACK_S
-    from async_grpo.trainer.batcher_link import GET_TIMEOUT_S
-    from async_grpo.trainer.loop import group_timeout
+    from async_grpo.trainer.batcher_link import GET_TIMEOUT_S, group_timeout
 
     cfg = load_config(None, [f"eval.timeout_s={eval_timeout_s}"])
     rank0 = (GET_TIMEOUT_S + 60) + (eval_timeout_s + COLLECT_SLACK_S)
