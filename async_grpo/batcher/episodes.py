@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,11 +98,16 @@ class EpisodeRunner:
         # the instances live as long as the whole group: every turn, every step
         hold_s = self.max_turns * (env.call_timeout_s + self.timeout_s)
         async with env.hold(n, hold_s) as (worker_id, handle):
+            group = uuid.uuid4().hex
+            made = handle.acquire.remote([task] * n, group, hold_s + self.timeout_s)
             try:
-                ids = await self._ask(handle.acquire.remote([task] * n), f"acquire {n} instances")
+                ids = await self._ask(made, f"acquire {n} instances")
             except RayActorError as e:  # dead: the group goes to another worker
                 await env.drop(worker_id, f"died: {type(e).__name__}")
                 raise PoolUnavailable(f"environment worker {worker_id} died") from None
+            except BaseException:  # gave up (a timeout, a cancel): what it makes is released
+                handle.drop_group.remote(group)
+                raise
             runs = [
                 asyncio.ensure_future(
                     self._episode(handle, iid, prompt, sampling, i, min_version, on_retry)

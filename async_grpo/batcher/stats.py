@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from async_grpo.batcher.types import ScoredSample
+from async_grpo.environments.pool import STATS_KEYS as ENV_STATS_KEYS
 from async_grpo.errors import UserError
 
 POOL_STATS_TIMEOUT_S = 60.0
@@ -105,32 +106,42 @@ def episode_stats(episodes: list[dict[str, float]]) -> dict[str, float]:
 
 
 async def pool_counters(clients: dict[str, Any]) -> dict[str, float]:
-    """Counters kept by the pools since the start: verifier timeouts and errors (summed
-    over the live verifier workers), requests retried after a worker died, and dead
-    workers replaced."""
+    """Counters kept by the pools since the start: requests retried after a worker died
+    and dead workers replaced (every pool), and the verifier's and environment workers'
+    own counters (summed over the live workers: a dead one takes its counts with it)."""
     out = {f"pool/{name}_retries": float(getattr(c, "retries", 0)) for name, c in clients.items()}
-    registry = getattr(clients.get("verifier"), "registry", None)
-    if registry is None:
-        return out
+    if not any(getattr(clients.get(name), "registry", None) for name in WORKER_COUNTERS):
+        return out  # scripted pools (the batcher's unit tests) keep no registries
     try:
         async with asyncio.timeout(POOL_STATS_TIMEOUT_S):
             for name, c in clients.items():
-                out[f"pool/{name}/restarts"] = float(await c.registry.restart_count.remote())
-            handles = await registry.handles.remote()
-            answers = await asyncio.gather(
-                *(h.stats.remote() for h in handles.values()), return_exceptions=True
-            )
-            per_worker = [a for a in answers if isinstance(a, dict)]  # the dead say nothing
+                if getattr(c, "registry", None) is not None:
+                    out[f"pool/{name}/restarts"] = float(await c.registry.restart_count.remote())
+            for name, keys in WORKER_COUNTERS.items():
+                if getattr(clients.get(name), "registry", None) is not None:
+                    out |= await _worker_counters(clients[name].registry, keys)
     except TimeoutError:
         print(
-            f"batcher: verifier stats not answered within {POOL_STATS_TIMEOUT_S:.0f}s;"
-            " this step's verifier counters are left out",
+            f"batcher: pool counters not answered within {POOL_STATS_TIMEOUT_S:.0f}s;"
+            " this step's pool counters are left out",
             flush=True,
         )
-        return out
-    for key in ("verifier/timeouts", "verifier/errors", "verifier/scored"):
-        out[key] = float(sum(w.get(key, 0) for w in per_worker))
     return out
+
+
+WORKER_COUNTERS = {
+    "verifier": ("verifier/timeouts", "verifier/errors", "verifier/scored"),
+    "environment": tuple(f"env/{k}" for k in ENV_STATS_KEYS) + ("env/live",),
+}
+
+
+async def _worker_counters(registry: Any, keys: tuple[str, ...]) -> dict[str, float]:
+    handles = await registry.handles.remote()
+    answers = await asyncio.gather(
+        *(h.stats.remote() for h in handles.values()), return_exceptions=True
+    )
+    per_worker = [a for a in answers if isinstance(a, dict)]  # the dead say nothing
+    return {key: float(sum(w.get(key, 0) for w in per_worker)) for key in keys}
 
 
 class PoolClock:

@@ -1,20 +1,31 @@
 """EnvironmentWorker: hosts isolated environment instances, one per episode (a plain class;
 a Ray actor where composed, registered in the `environment` registry like the verifiers).
 
-`acquire` makes the instances of a whole GRPO group at once, or none: if any constructor
-or `reset` fails, the ones already made are closed (a failing close is counted, and never
-hides the first error) and nothing was ever visible to another call. Over capacity is a
-refusal (`EnvironmentFailed("capacity")`), not a crash. `step` runs under a wall-clock timeout; a step that
-raises, hangs or returns garbage is an `EnvironmentFailed` naming why, and the instance
-stays held until its episode releases it.
+`acquire` makes the instances of a whole GRPO group at once (their resets run
+concurrently), or none: if any constructor or `reset` fails, the ones already made are
+closed (a failing close is counted, and never hides the first error). Over capacity is a
+refusal (`EnvironmentFailed("capacity")`), not a crash. A group is named by its caller: a
+caller that gives up (a timeout, a cancelled spare group, a stop) drops it, and instances
+made after that are released as they arrive; a group held past its hold time is released
+by a sweep. `step` runs under a wall-clock timeout; a step that raises, hangs or returns
+garbage is an `EnvironmentFailed` naming why, and the instance stays held until its
+episode releases it.
+
+Plain `def` methods run on the worker's own bounded thread pool. A call past its timeout
+cannot be stopped in its thread; such a stuck thread is counted, and a worker with
+`STUCK_LIMIT` of them retires: it refuses new groups and, once no episode holds an
+instance, ends its process so that `async-grpo run` starts a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from async_grpo.config import EnvironmentConfig
@@ -22,7 +33,19 @@ from async_grpo.environments.base import Environment, StepResult, Task, checked
 from async_grpo.environments.registry import get_environment
 from async_grpo.faults import fault_point
 
-STATS_KEYS = ("acquired", "released", "steps", "step_errors", "step_timeouts", "close_failures")
+STATS_KEYS = (
+    "acquired",
+    "released",
+    "steps",
+    "step_errors",
+    "step_timeouts",
+    "close_failures",
+    "stuck_threads",
+    "expired",
+)
+STUCK_LIMIT = 4  # threads still running calls that timed out; then the worker retires
+SWEEP_S = 1.0  # how often held groups are checked against their hold time
+GIVEN_UP_KEPT_S = 600.0  # how long a give-up waits for its acquire to end
 
 
 class EnvironmentFailed(Exception):
@@ -46,15 +69,6 @@ def environment_factory(cfg: EnvironmentConfig) -> Any:
     return get_environment(cfg.name)
 
 
-async def _call(fn: Any, *args: Any) -> Any:
-    """Run an environment method: awaited if async, else in a thread (a slow step of one
-    episode never blocks the others)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    out = await asyncio.to_thread(fn, *args)
-    return await out if inspect.isawaitable(out) else out
-
-
 class EnvironmentWorker:
     """Up to `cfg.capacity` live instances of `cfg.name` (or of the server at `cfg.url`)."""
 
@@ -68,37 +82,145 @@ class EnvironmentWorker:
         self._lock = asyncio.Lock()
         self._counts = dict.fromkeys(STATS_KEYS, 0)
         self._stopping = False
+        # one thread per instance it may hold, and room for the stuck ones until it retires
+        self._threads = ThreadPoolExecutor(cfg.capacity + STUCK_LIMIT, f"{worker_id}-env")
+        self._stuck = 0
+        self._retired = False  # stuck threads reached STUCK_LIMIT: no new groups
+        self._claimed = 0  # room taken by acquires still making their instances
+        self._groups: dict[str, tuple[list[str], float]] = {}  # group -> (ids, held until)
+        self._given_up: dict[str, float] = {}  # groups dropped before their acquire ended
+        self._sweep: asyncio.Task | None = None
 
-    async def acquire(self, tasks: list[Task]) -> list[str]:
-        """One new instance per task, reset: their ids, all or none."""
-        async with self._lock:
-            if len(self._instances) + len(tasks) > self.cfg.capacity:
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """Run an environment method within the step timeout: awaited if async, else on
+        this worker's threads (a slow step of one episode never blocks the others)."""
+        if inspect.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(*args), timeout=self.cfg.step_timeout_s)
+        loop = asyncio.get_running_loop()
+        job = self._threads.submit(fn, *args)
+        try:
+            out = await asyncio.wait_for(asyncio.wrap_future(job), self.cfg.step_timeout_s)
+        except TimeoutError:
+            if not job.done():  # the thread runs on: counted until it returns
+                self._stuck += 1
+                job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstick))
+                if self._stuck >= STUCK_LIMIT and not self._retired:
+                    self._retired = True
+                    loop.create_task(self._retire())
+            raise
+        if inspect.isawaitable(out):
+            return await asyncio.wait_for(out, timeout=self.cfg.step_timeout_s)
+        return out
+
+    def _unstick(self) -> None:
+        self._stuck -= 1
+
+    async def _retire(self) -> None:
+        """Stop taking groups: leave the pool's registry, and end once no instance is held
+        (stuck threads cannot be freed any other way); the run starts a fresh worker."""
+        import ray
+
+        from async_grpo.inference.client import get_registry_async
+
+        self._retired = True
+        print(
+            f"{self.worker_id}: {self._stuck} threads stuck in calls past"
+            f" {self.cfg.step_timeout_s:g}s; this worker retires",
+            flush=True,
+        )
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):  # then refusals send the groups elsewhere
+                registry = await get_registry_async("environment", timeout_s=10.0)
+                reason = f"retired: {self._stuck} stuck threads"
+                await asyncio.wait_for(registry.drop.remote(self.worker_id, reason), 10.0)
+        self._exit_when_idle()
+
+    def _exit_when_idle(self) -> None:
+        if self._retired and not self._instances and not self._claimed:
+            asyncio.get_running_loop().call_later(0.5, os._exit, 1)
+
+    async def acquire(self, tasks: list[Task], group: str = "", hold_s: float = 0.0) -> list[str]:
+        """One new instance per task, reset concurrently: their ids, all or none. `group`
+        names the caller's group for `drop_group`, which releases its instances even when
+        it comes before this call ends (a caller that gave up); with `hold_s`, instances
+        still held that long after are released by the sweep (a caller that vanished)."""
+        self._start_sweep()
+        async with self._lock:  # only the room is claimed under the lock
+            if self._retired:
+                raise EnvironmentFailed(
+                    "capacity", f"{self.worker_id}: retiring ({self._stuck} stuck threads)"
+                )
+            free = self.cfg.capacity - len(self._instances) - self._claimed
+            if len(tasks) > free:
                 raise EnvironmentFailed(
                     "capacity",
                     f"{self.worker_id}: {len(tasks)} environment instances requested,"
-                    f" {self.cfg.capacity - len(self._instances)} of {self.cfg.capacity} free",
+                    f" {free} of {self.cfg.capacity} free",
                 )
-            made: list[tuple[str, Environment]] = []
-            try:
-                for task in tasks:
-                    fault_point("environment.acquire")
-                    made.append((uuid.uuid4().hex, self._make()))
-                    await asyncio.wait_for(
-                        _call(made[-1][1].reset, task), timeout=self.cfg.step_timeout_s
-                    )
-            except BaseException as e:
-                for _, env in made:
-                    await self._close(env)
-                if isinstance(e, Exception):
-                    raise EnvironmentFailed(
-                        "acquire",
-                        f"{self.worker_id}: could not start {len(tasks)} instances"
-                        f" of {self.cfg.url or self.cfg.name}: {type(e).__name__}: {e}",
-                    ) from None
-                raise
-            self._instances.update(made)
-            self._counts["acquired"] += len(made)
-            return [iid for iid, _ in made]
+            self._claimed += len(tasks)
+        try:
+            made = await self._make_all(tasks)
+        finally:
+            self._claimed -= len(tasks)
+        ids = [iid for iid, _ in made]
+        self._instances.update(made)
+        self._counts["acquired"] += len(made)
+        if self._given_up.pop(group, None) is not None:
+            await self.release(ids)
+            raise EnvironmentFailed("acquire", f"{self.worker_id}: group {group} was given up")
+        if group:
+            self._groups[group] = (ids, time.monotonic() + hold_s if hold_s else float("inf"))
+        return ids
+
+    async def _make_all(self, tasks: list[Task]) -> list[tuple[str, Environment]]:
+        """The instances, made and reset at once; if any fails, the made ones are closed."""
+        made: list[tuple[str, Environment]] = []
+
+        async def one(task: Task) -> None:
+            fault_point("environment.acquire")
+            made.append((uuid.uuid4().hex, self._make()))
+            await self._call(made[-1][1].reset, task)
+
+        try:
+            results = await asyncio.gather(*(one(t) for t in tasks), return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+        except BaseException as e:
+            for _, env in made:
+                await self._close(env)
+            if isinstance(e, Exception):
+                raise EnvironmentFailed(
+                    "acquire",
+                    f"{self.worker_id}: could not start {len(tasks)} instances"
+                    f" of {self.cfg.url or self.cfg.name}: {type(e).__name__}: {e}",
+                ) from None
+            raise
+        return made
+
+    async def drop_group(self, group: str) -> int:
+        """Release `group`'s instances; one still being made is released when it is."""
+        entry = self._groups.pop(group, None)
+        if entry is None:
+            self._given_up[group] = time.monotonic()
+            return 0
+        return await self.release(entry[0])
+
+    def _start_sweep(self) -> None:
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().create_task(self._expire())
+
+    async def _expire(self) -> None:
+        """Release the groups held past their `hold_s`; forget old give-ups."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = time.monotonic()
+            for ids, until in list(self._groups.values()):
+                if now > until:
+                    self._counts["expired"] += await self.release(ids)
+            for group, when in list(self._given_up.items()):
+                if now - when > GIVEN_UP_KEPT_S:
+                    del self._given_up[group]
 
     async def step(self, instance_id: str, action: str) -> StepResult:
         """One step of the episode that holds `instance_id`."""
@@ -109,9 +231,7 @@ class EnvironmentWorker:
         t0 = time.monotonic()
         try:
             fault_point("environment.step")
-            result = await asyncio.wait_for(
-                _call(env.step, action), timeout=self.cfg.step_timeout_s
-            )
+            result = await self._call(env.step, action)
             return checked(result, f"{type(env).__name__}.step")
         except TimeoutError:
             self._counts["step_timeouts"] += 1
@@ -128,14 +248,18 @@ class EnvironmentWorker:
         """Close and forget the instances (unknown ids are ignored); returns how many."""
         async with self._lock:
             envs = [self._instances.pop(i) for i in instance_ids if i in self._instances]
+            gone = set(instance_ids)
+            for group in [g for g, (ids, _) in self._groups.items() if gone.issuperset(ids)]:
+                del self._groups[group]
         for env in envs:
             await self._close(env)
         self._counts["released"] += len(envs)
+        self._exit_when_idle()
         return len(envs)
 
     async def _close(self, env: Environment) -> None:
         try:
-            await asyncio.wait_for(_call(env.close), timeout=self.cfg.step_timeout_s)
+            await self._call(env.close)
         except Exception as e:  # counted; never hides why the episode ended
             self._counts["close_failures"] += 1
             print(f"{self.worker_id}: closing {type(env).__name__} failed: {e}", flush=True)
@@ -145,7 +269,8 @@ class EnvironmentWorker:
         return len(self._instances)
 
     def stats(self) -> dict[str, int]:
-        return {f"env/{k}": v for k, v in self._counts.items()} | {"env/live": self.live()}
+        counts = self._counts | {"stuck_threads": self._stuck}
+        return {f"env/{k}": v for k, v in counts.items()} | {"env/live": self.live()}
 
     def ping(self) -> dict[str, Any]:
         return {"stopping": self._stopping, "environment": self.cfg.url or self.cfg.name}
@@ -153,5 +278,7 @@ class EnvironmentWorker:
     async def stop(self, drain_timeout_s: float = 30.0) -> dict[str, int]:
         """Close every instance still held (an episode cut short by the stop)."""
         self._stopping = True
+        if self._sweep is not None:
+            self._sweep.cancel()
         left = await self.release(list(self._instances))
         return {"abandoned": left}

@@ -10,6 +10,11 @@ Version rule: an update first pauses the engine until the requests it runs have 
 is ever computed from KV of other weights. vLLM labels every output token with the weight
 version that sampled it; a completion carries that version (the oldest, should a request
 ever span two).
+
+A worker never outlives its engine: when vLLM's engine-core process dies (the OOM killer's
+likely choice on CPU) or a push stops arriving mid-update, the actor ends its own process.
+Its callers then see a dead worker, the case every pool path handles (requests retried
+elsewhere, the worker dropped from a push, a replacement started by `async-grpo run`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from async_grpo.inference.types import (
     SamplingSettings,
 )
 from async_grpo.inference.worker_base import RegisteredWorker
+
+ENGINE_WATCH_S = 0.5  # how often a worker checks that its engine core still runs
 
 
 def vllm_env(cfg: GenerationConfig, device: str) -> dict[str, str]:
@@ -82,7 +89,9 @@ class GenerationWorker(RegisteredWorker):
         self.model_dir, self.cfg, self.device = model_dir, cfg, device
         self.engine: Any = None
         self._update_lock = asyncio.Lock()
-        self._watchdog: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None  # ends a push that stops arriving
+        self._push: tuple[int, float] = (0, 0.0)  # (version, timeout_s) of the push under way
+        self._engine_watch: asyncio.Task | None = None
         self._chunk_turn = asyncio.Condition()  # chunks of a push load in index order
         self._next_chunk = 0
         self.broadcast_rank: int | None = None  # this engine's first rank in a broadcast group
@@ -123,6 +132,7 @@ class GenerationWorker(RegisteredWorker):
         )
         claim_engine_processes()  # they end with this actor, however it ends
         self.engine = AsyncLLM.from_engine_args(args)
+        self._engine_watch = asyncio.get_running_loop().create_task(self._watch_engine())
         (self.weight_reload,) = set(await self.engine.collective_rpc("async_grpo_reload_kind"))
         print(f"{self.worker_id}: weight updates load {self.weight_reload}", flush=True)
         await self.engine.update_weight_version(str(self.version))
@@ -169,6 +179,9 @@ class GenerationWorker(RegisteredWorker):
                 final = out
         except ValueError as e:  # vLLM's input validation: this request alone is bad
             raise RequestError(f"{self.worker_id}: request refused by vLLM: {e}") from None
+        except Exception:
+            self._exit_if_engine_died()
+            raise
         finally:
             self.in_flight -= n
             self.clock.leave()
@@ -186,7 +199,9 @@ class GenerationWorker(RegisteredWorker):
         ]
 
     async def ping(self) -> dict[str, Any]:
-        """The base fields, plus the requests the engine still runs (aborts included)."""
+        """The base fields, plus the requests the engine still runs (aborts included). A
+        worker whose engine died never answers: it ends (`_exit_if_engine_died`)."""
+        self._exit_if_engine_died()
         running = self.engine.get_num_unfinished_requests() if self.engine is not None else 0
         return await super().ping() | {
             "engine_requests": running,
@@ -226,8 +241,8 @@ class GenerationWorker(RegisteredWorker):
         `in_flight`, running requests first finish on the current weights and the caches are
         cleared; with it, they are frozen where they are and, once the new weights are in,
         preempted so that their KV is recomputed under them (`end_update`): a token never
-        comes from KV of another version than its own label. The update is abandoned unless
-        `end_update` comes within `timeout_s`.
+        comes from KV of another version than its own label. The worker ends its process
+        unless each next call of the push (a chunk, `end_update`) comes within `timeout_s`.
 
         Called again before `end_update` (the trainer resends a push that broke off when
         another worker died), it stays paused and starts the reload over."""
@@ -248,9 +263,8 @@ class GenerationWorker(RegisteredWorker):
         except BaseException:
             await self._resume()
             raise
-        self._watchdog = asyncio.get_running_loop().create_task(
-            self._abandon_after(version, timeout_s)
-        )
+        self._push = (version, timeout_s)
+        self._arm_watchdog()
         return self.last_drain_s
 
     async def _restart_update(self, version: int, timeout_s: float, attempt: int) -> float:
@@ -264,9 +278,8 @@ class GenerationWorker(RegisteredWorker):
         await self.engine.finish_weight_update(weight_version=str(self.version))
         await self.engine.start_weight_update()
         self._next_chunk = 0
-        self._watchdog = asyncio.get_running_loop().create_task(
-            self._abandon_after(version, timeout_s)
-        )
+        self._push = (version, timeout_s)
+        self._arm_watchdog()
         return 0.0
 
     async def load_chunk(
@@ -292,8 +305,13 @@ class GenerationWorker(RegisteredWorker):
             if self._attempt != attempt:
                 raise RuntimeError(f"{self.worker_id}: chunk {index} of a push started over")
             info = {"metas": metas, "slot": slot, "nbytes": nbytes}
-            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+            try:
+                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+            except Exception:
+                self._exit_if_engine_died()
+                raise
             self._next_chunk += 1
+            self._arm_watchdog()  # the push's timeout holds per chunk, not for the whole push
             self._chunk_turn.notify_all()
 
     async def end_update(self, version: int) -> dict[str, int]:
@@ -340,21 +358,40 @@ class GenerationWorker(RegisteredWorker):
         self.clock.pause(False)
         self._update_lock.release()
 
+    def _arm_watchdog(self) -> None:
+        """(Re)start the wait for the push's next call: none within its timeout ends it."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = asyncio.get_running_loop().create_task(self._abandon_after(*self._push))
+
     async def _abandon_after(self, version: int, timeout_s: float) -> None:
-        """The trainer vanished mid-push: the weights are half loaded, so stop serving."""
+        """The trainer vanished mid-push: the weights are half loaded, so this worker ends
+        (a replacement loads the newest checkpoint)."""
         await asyncio.sleep(timeout_s)
-        print(
-            f"{self.worker_id}: push of version {version} not finished within {timeout_s:.0f}s;"
-            " weights are incomplete, leaving the pool",
-            flush=True,
+        self._exit(
+            f"push of version {version}: no chunk within {timeout_s:.0f}s;"
+            " the weights are incomplete"
         )
-        self.engine.shutdown()
-        self.engine = None
-        await self.drain(0.0)
+
+    async def _watch_engine(self) -> None:
+        while True:
+            await asyncio.sleep(ENGINE_WATCH_S)
+            self._exit_if_engine_died()
+
+    def _exit_if_engine_died(self) -> None:
+        """A dead engine core cannot come back in this actor: end the process."""
+        if self.engine is not None and self.engine.errored:
+            self._exit("vLLM's engine core died")
+
+    def _exit(self, why: str) -> None:
+        print(f"{self.worker_id}: {why}; this worker ends", flush=True)
+        os._exit(1)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> dict[str, int]:
         """Deregister, let running requests finish (up to the timeout), shut the engine."""
         result = await self.drain(drain_timeout_s)
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -10,7 +10,9 @@ capacity is refused at once, a worker killed mid-group ends its episodes with a 
 
 import asyncio
 import threading
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +176,101 @@ def test_the_server_backed_kind_runs_behind_the_pool(generation, tokenizer):
     assert max(s.episode["turns"] for s in group) >= 2
     assert all(s.episode["env_errors"] == 0 for s in group)
     assert server.sessions == {}  # each session closed on the server
+
+
+def test_a_worker_with_stuck_threads_retires_and_ends(cluster):
+    """A plain `def` step that hangs keeps its thread past the timeout. Below the limit the
+    worker still serves other episodes at once; at `STUCK_LIMIT` it refuses new groups and,
+    once its instances are released, ends its process (a run then starts a fresh one)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from async_grpo.environments import Task
+    from async_grpo.environments.pool import STUCK_LIMIT, EnvironmentFailed
+    from async_grpo.inference.launch import start_environment_workers, stop_workers
+
+    cfg = EnvironmentConfig(name="envs_for_tests:Hostile", capacity=8, step_timeout_s=0.5)
+    (w,) = start_environment_workers(cfg, 1)
+    try:
+        hung = ray.get(w.acquire.remote([Task("hang", "")] * STUCK_LIMIT), timeout=30)
+        for iid in hung[:-1]:
+            with pytest.raises(EnvironmentFailed, match="step took over 0.5s"):
+                ray.get(w.step.remote(iid, "x"), timeout=30)
+        (ok,) = ray.get(w.acquire.remote([Task("ok", "")]), timeout=30)
+        result = ray.get(w.step.remote(ok, "x"), timeout=5)  # a free thread, at once
+        assert result.reward == 1.0 and result.done
+        with pytest.raises(EnvironmentFailed, match="step took over"):
+            ray.get(w.step.remote(hung[-1], "x"), timeout=30)
+        assert ray.get(w.stats.remote(), timeout=30)["env/stuck_threads"] == STUCK_LIMIT
+        with pytest.raises(EnvironmentFailed, match="retiring") as refused:
+            ray.get(w.acquire.remote([Task("ok", "")]), timeout=30)
+        assert refused.value.reason == "capacity"
+        ray.get(w.release.remote([*hung, ok]), timeout=30)
+        t = time.monotonic()
+        with pytest.raises(RayActorError):
+            while time.monotonic() - t < 30:
+                ray.get(w.ping.remote(), timeout=10)
+                time.sleep(0.2)
+    finally:
+        stop_workers([w], drain_timeout_s=5)
+
+
+def test_a_group_given_up_during_its_acquire_leaves_no_instance(cluster, tokenizer, monkeypatch):
+    """A group's resets run at once; a group its caller gave up on while it was being made
+    (the batcher's timeout, a cancelled spare group) is released as it arrives; one held
+    past its hold time is released by the sweep. Last, through the batcher's episode runner:
+    a group cancelled during its acquire leaves no instance behind."""
+    import ray
+
+    from async_grpo.environments import Task
+    from async_grpo.environments.pool import EnvironmentFailed
+    from async_grpo.inference.launch import start_environment_workers, stop_workers
+
+    def live():
+        return _stats([w])[0]["env/live"]
+
+    def wait_until_empty(timeout_s=10.0):
+        t = time.monotonic()
+        while live() and time.monotonic() - t < timeout_s:
+            time.sleep(0.2)
+        assert live() == 0
+
+    cfg = _cfg(name="envs_for_tests:SlowReset", capacity=8, step_timeout_s=5.0)
+    (w,) = start_environment_workers(cfg.environment, 1)
+    task = Task("x", "")
+    try:
+        t = time.monotonic()
+        kept = ray.get(w.acquire.remote([task] * 4, "kept", 60.0), timeout=30)
+        assert len(kept) == 4 and time.monotonic() - t < 3.0  # 4 resets of 1 s, at once
+        late = w.acquire.remote([task] * 4, "late", 60.0)
+        time.sleep(0.3)
+        assert ray.get(w.drop_group.remote("late"), timeout=30) == 0  # still being made
+        with pytest.raises(EnvironmentFailed, match="given up"):
+            ray.get(late, timeout=30)
+        assert live() == 4
+        assert ray.get(w.drop_group.remote("kept"), timeout=30) == 4
+        ray.get(w.acquire.remote([task] * 2, "forgotten", 0.5), timeout=30)
+        wait_until_empty()
+        assert _stats([w])[0]["env/expired"] == 2
+
+        monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+        from async_grpo.batcher.episodes import EpisodeRunner
+        from async_grpo.data.tokenize import chat_token_ids
+        from async_grpo.environments.turns import TurnFormat
+        from async_grpo.inference.client import PoolClient
+
+        clients = {p: PoolClient(p, lease_timeout_s=60) for p in ("generation", "environment")}
+        runner = EpisodeRunner(cfg, clients, TurnFormat(tokenizer, 32))
+        prompt = Prompt("x", "", chat_token_ids(tokenizer, "x"), {})
+
+        async def cancelled_while_acquiring():
+            group = asyncio.ensure_future(runner.group(prompt, 4, SamplingSettings(8), 0))
+            await asyncio.sleep(0.5)
+            group.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await group
+
+        asyncio.run(cancelled_while_acquiring())
+        wait_until_empty()
+    finally:
+        stop_workers([w], drain_timeout_s=5)

@@ -1,0 +1,86 @@
+"""A generation worker never outlives its engine: real vLLM workers with the tiny model.
+
+- The engine-core process is killed (SIGKILL, as the OOM killer sends), not the actor: a
+  request in flight is sent again to the other worker and completes, and the actor whose
+  engine died ends, so Ray reports it dead (what `async-grpo run`'s supervisor replaces).
+- A push that stops arriving mid-update (the trainer died): the worker, its weights half
+  loaded, ends its process instead of staying alive out of the pool.
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from test_generation_cancel import CFG  # one real engine config for the tiny model
+
+from async_grpo.inference.types import SamplingSettings
+
+pytestmark = pytest.mark.integration
+
+
+def _engine_core(worker) -> int:
+    """The pid of the worker's vLLM engine-core process (a child of the actor's)."""
+    import psutil
+    import ray
+
+    actor_pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    (core,) = [
+        p for p in psutil.Process(actor_pid).children(recursive=True) if "EngineCore" in p.name()
+    ]
+    return core.pid
+
+
+def _ends_within(worker, timeout_s: float) -> float:
+    """Seconds until Ray reports `worker` dead (it must be within `timeout_s`)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    t = time.monotonic()
+    while time.monotonic() - t < timeout_s:
+        try:
+            ray.get(worker.ping.remote(), timeout=10)
+        except RayActorError:
+            return time.monotonic() - t
+        time.sleep(0.5)
+    raise AssertionError(f"worker still alive {timeout_s:.0f}s later")
+
+
+def test_a_dead_engine_ends_its_worker_and_requests_go_elsewhere(cluster, tiny_model_dir):
+    import ray
+
+    from async_grpo.inference.client import PoolClient
+    from async_grpo.inference.launch import start_generation_workers, stop_workers
+
+    workers = start_generation_workers(str(tiny_model_dir), CFG, 2, timeout_s=600)
+    try:
+        names = ray.get([w.ping.remote() for w in workers], timeout=60)
+        first, second = workers
+        core = _engine_core(first)
+        client = PoolClient("generation", lease_timeout_s=120)
+        retried = []
+
+        async def request_then_kill():
+            long = SamplingSettings(max_new_tokens=1500, temperature=1.0, seed=0)
+            call = asyncio.ensure_future(
+                client.call(8, "generate", [1, 2, 3], 8, long, on_retry=lambda: retried.append(1))
+            )
+            await asyncio.sleep(3)  # both workers hold requests (8 sequences each)
+            os.kill(core, signal.SIGKILL)
+            return await asyncio.wait_for(call, timeout=300)
+
+        async def two_calls():
+            return await asyncio.gather(request_then_kill(), request_then_kill())
+
+        done = asyncio.run(two_calls())
+        assert all(len(out) == 8 for out in done)
+        assert retried, "no request was on the worker whose engine died"
+        took = _ends_within(first, 30)
+        print(f"worker {names[0]['worker_id']} ended {took:.1f}s after its engine")
+        # the trainer vanishes in the middle of a push: nothing after begin_update
+        ray.get(second.begin_update.remote(1, 2.0), timeout=60)
+        took = _ends_within(second, 30)
+        print(f"abandoned push: worker ended {took:.1f}s after the push's timeout began")
+    finally:
+        stop_workers(workers, drain_timeout_s=5)
