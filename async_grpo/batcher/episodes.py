@@ -41,7 +41,8 @@ class _Episode:
     ids: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per model turn
+    token_versions: list[int] = field(default_factory=list)  # per token of `ids`
     reward: float = 0.0
     done: bool = False
     error: str = ""
@@ -52,10 +53,18 @@ class _Episode:
     cut_observations: int = 0
     info: Counter = field(default_factory=Counter)
 
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None, versions: list[int]) -> None:
+        """Append a model turn (with its log-probs) or the environment's ids (None); each
+        token keeps the version that sampled it (an environment token: the last turn's)."""
         self.ids += ids
         self.mask += [logprobs is not None] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.token_versions += versions
+
+    def mixed_versions(self) -> list[int] | None:
+        """The per-token versions, or None when every model token has one version."""
+        model = {v for v, m in zip(self.token_versions, self.mask, strict=True) if m}
+        return self.token_versions if len(model) > 1 else None
 
     def figures(self) -> dict[str, float]:
         out = {
@@ -136,6 +145,7 @@ class EpisodeRunner:
                 None,
                 e.mask,
                 e.figures(),
+                token_versions=e.mixed_versions(),
             )
             for e in episodes
         ]
@@ -185,7 +195,8 @@ class EpisodeRunner:
             (c,) = await self.clients["generation"].call(
                 1, "generate", ids, 1, turn_sampling, on_retry=on_retry, min_version=min_version
             )
-            ep.add(c.token_ids, c.logprobs)
+            sampled = c.token_versions or [c.policy_version] * len(c.token_ids)
+            ep.add(c.token_ids, c.logprobs, sampled)
             ids += c.token_ids
             ep.truncated |= c.finish_reason == "length"
             ep.versions.append(c.policy_version)
@@ -214,7 +225,7 @@ class EpisodeRunner:
             ep.cut_observations += cut
             if len(ep.ids) + len(between) >= self.budget or len(ids) + len(between) >= max_len:
                 break  # no room left for another model turn
-            ep.add(between, None)
+            ep.add(between, None, [ep.versions[-1]] * len(between))
             ids += between
         return ep
 

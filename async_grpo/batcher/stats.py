@@ -75,13 +75,16 @@ def batch_stats(step: int, groups: list[list[ScoredSample]], wait_s: float) -> d
 
 
 def token_staleness(step: int, samples: list[ScoredSample]) -> float:
-    """Mean staleness over completion tokens: each token counts the version that sampled
-    it (after an in-flight update a sample's tokens come from several versions)."""
+    """Mean staleness over the model's completion tokens (an episode's environment tokens
+    were not sampled): each counts the version that sampled it (after an in-flight update
+    a sample's tokens come from several versions)."""
     total = count = 0
     for s in samples:
         versions = s.token_versions or [s.version] * len(s.completion_ids)
-        total += sum(step - v for v in versions)
-        count += len(versions)
+        mask = s.completion_mask or [True] * len(versions)
+        model = [v for v, m in zip(versions, mask, strict=True) if m]
+        total += sum(step - v for v in model)
+        count += len(model)
     return total / count if count else 0.0
 
 

@@ -96,7 +96,9 @@ class Evaluator:
         items = [
             RewardInput(prompt.input, x.text, prompt.answer, prompt.metadata) for x in completions
         ]
-        scored = await pools["verifier"].call(len(items), "score", items, rewards=c.rewards)
+        scored = await pools["verifier"].call(
+            len(items), "score", items, rewards=c.rewards, evaluation=True
+        )
         return [
             EvalSample(
                 q,

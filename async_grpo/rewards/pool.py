@@ -40,12 +40,13 @@ class VerifierWorker:
         self.spec = reward_spec(cfg)
 
     async def score(
-        self, items: list[RewardInput], rewards: list[str] | None = None
+        self, items: list[RewardInput], rewards: list[str] | None = None, evaluation: bool = False
     ) -> list[RewardOutput]:
         """One combined output per item, in order: by the configured rewards, or by
-        `rewards` summed (an evaluation's own, `eval.rewards`) in sandboxes of their own."""
+        `rewards` summed (an evaluation's own, `eval.rewards`) in sandboxes of their own.
+        An `evaluation`'s samples are not counted in the training counters (`stats`)."""
         fault_point("verifier.score")
-        return await self._sandbox_for(rewards).score_many(items)
+        return await self._sandbox_for(rewards).score_many(items, counted=not evaluation)
 
     def _sandbox_for(self, rewards: list[str] | None) -> SandboxPool:
         if rewards is None or list(rewards) == list(self._cfg.rewards):

@@ -139,13 +139,16 @@ class SandboxPool:
         for slot in range(num_procs):
             self._idle.put(slot)
 
-    async def score_many(self, samples: list[RewardInput]) -> list[RewardOutput]:
-        """Score `samples` concurrently on the pool, in order; never raises for a sample."""
+    async def score_many(
+        self, samples: list[RewardInput], counted: bool = True
+    ) -> list[RewardOutput]:
+        """Score `samples` concurrently on the pool, in order; never raises for a sample.
+        Not `counted`: left out of `scored`, `timeouts` and `errors` (an evaluation's)."""
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self._executor, self.score, s) for s in samples]
+        futures = [loop.run_in_executor(self._executor, self.score, s, counted) for s in samples]
         return list(await asyncio.gather(*futures))
 
-    def score(self, sample: RewardInput) -> RewardOutput:
+    def score(self, sample: RewardInput, counted: bool = True) -> RewardOutput:
         """Score one sample (blocking until a process is free); never raises for a sample."""
         slot = self._idle.get()
         try:
@@ -157,10 +160,11 @@ class SandboxPool:
             self._idle.put(slot)
         else:  # the slot comes back once its replacement process is up
             self._spawner.submit(self._restart, slot)
-        with self._lock:
-            self._counts["scored"] += 1
-            if outcome != "ok":
-                self._counts[outcome] += 1
+        if counted:
+            with self._lock:
+                self._counts["scored"] += 1
+                if outcome != "ok":
+                    self._counts[outcome] += 1
         return out
 
     def stats(self) -> dict[str, int]:

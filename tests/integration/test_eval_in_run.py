@@ -66,6 +66,8 @@ def test_evaluations_of_the_pushed_versions_are_metrics_rows(run_with_eval):
     evals = [r for r in rows if "eval/policy_version" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert [r["step"] for r in evals] == [0, 2, 4]  # the start, every 2, the final weights
+    # the verifier's own counters are the training's: the evaluations' 36 samples are not in
+    assert train[-1]["verifier/scored"] == sum(r["samples/scored"] for r in train)
     for r in evals:
         assert r["eval/policy_version"] == r["step"] and r["eval/other_version_samples"] == 0
         assert r["eval/questions"] == 6 and r["eval/samples"] == 12

@@ -323,3 +323,28 @@ def test_a_turn_closed_by_a_stop_id_reads_as_the_template_renders_it(tokenizer, 
     )
     cut = action[:-1]  # a turn cut at its limit: the close is added
     assert tok.decode(fmt.between("6", fmt.closed(cut))[0]).startswith("<|im_end|>")
+
+
+def test_an_episode_keeps_the_version_of_each_token(tokenizer):
+    """A weight update between an episode's turns (`in_flight` updates): each model token
+    keeps the version that sampled it, so `samples/mixed_versions` sees the episode and the
+    token staleness counts model tokens only (the environment's were never sampled)."""
+    from async_grpo.batcher.stats import batch_stats, token_staleness
+
+    class UpdatedBetweenTurns(ScriptedModel):  # the call turn at version 0, the answer at 1
+        async def call(self, n, method, ids, *args, **kwargs):
+            last_user = self.tok.decode(ids).rsplit("<|im_start|>user\n", 1)[1]
+            self.version = int(last_user.split("<|im_end|>")[0].strip().isdigit())
+            return await super().call(n, method, ids, *args, **kwargs)
+
+    model = UpdatedBetweenTurns(tokenizer)
+    group, _ = _group(_cfg(), tokenizer, model, _prompt(tokenizer, 12, 34))
+    for s in group:
+        assert s.episode["turns"] == 2 and s.version == 0
+        versions, mask = s.token_versions, s.completion_mask
+        first_env = mask.index(False)
+        second = first_env + mask[first_env:].index(True)
+        assert set(versions[:second]) == {0} and set(versions[second:]) == {1}
+        model_tokens = [v for v, m in zip(versions, mask, strict=True) if m]
+        assert token_staleness(1, [s]) == sum(1 - v for v in model_tokens) / len(model_tokens)
+    assert batch_stats(1, [group], 0.0)["samples/mixed_versions"] == 1.0
