@@ -192,6 +192,7 @@ class ExperienceBatcher:
             ) from None
         if self.error:
             raise RuntimeError(f"batcher failed: {self.error}")
+        await self.spares.cancel_running()  # the engine would finish their requests first
 
     async def pending(self, from_step: int) -> dict[int, list[list[ScoredSample] | None]]:
         """The finished groups of steps >= `from_step` (generated, not yet trained), in

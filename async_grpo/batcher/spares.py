@@ -7,7 +7,8 @@ nothing to the gradient (the batcher sets it aside as skipped). With `batcher.sp
 generated under the same policy version as the step's regular groups (so the staleness
 bound holds for them too). When the step is packed, each spare that has already finished
 with unequal rewards takes the place of one equal-reward group; the spares still running
-are cancelled. A push never waits for a spare; packing waits for them only until a trainer
+are cancelled, and so is every spare still running when the trainer is about to push (or
+save): a push never waits for a spare, in the batcher or in the engine; packing waits for them only until a trainer
 rank asks for the step's next minibatch, so the trainer waits only for the cancellations.
 Which spares are ready depends on timing, so a run with spares is not bit-reproducible; a
 resumed run trains a checkpointed step on its groups as they stood at the checkpoint (after
@@ -66,6 +67,16 @@ class Spares:
         self._tasks[step] = [loop.create_task(spare(j)) for j in range(self.per_step)]
         return self._tasks[step]
 
+    async def cancel_running(self) -> None:
+        """Cancel every spare still running, and wait until each has counted itself: a
+        push in `wait` mode lets the engine finish the requests it runs, so the spares must
+        be gone before it (they are opportunistic: packing uses the ones that finished)."""
+        running = [t for tasks in self._tasks.values() for t in tasks if not t.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+
     async def use(
         self,
         step: int,
@@ -82,7 +93,7 @@ class Spares:
         and waited for until they have counted themselves. `slots` (the step's groups by
         slot, what a checkpoint keeps) follows the swap. Returns the replaced groups and the
         spares in their places."""
-        tasks = self._tasks.pop(step, [])
+        tasks = self._tasks.get(step, [])  # kept until packed: `cancel_running` sees them
         running = [t for t in tasks if not t.done()]
         if running and set_aside:
             await _first_of(asyncio.wait(running), needed(), max_wait_s)
@@ -91,6 +102,7 @@ class Spares:
             task.cancel()
         if running:
             await asyncio.wait(running)
+        self._tasks.pop(step, None)
         ready: list[Group] = []
         for task in tasks:
             if task.cancelled():

@@ -116,3 +116,47 @@ def test_spares_get_until_the_trainer_needs_the_step():
     assert eob.stats["spare_groups_used"] == 1.0 and eob.stats["skipped_samples"] == 0.0
     _balanced(eob.stats, planned=16, requested=24, trained=16, skipped=0)
     assert eob.stats["dropped/replaced_by_spare"] == eob.stats["dropped/spare_unused"] == 4.0
+
+
+def test_spares_still_running_are_cancelled_before_a_push():
+    """`wait_generated` (rank 0, before a push or a save) returns once the regular groups
+    of the started steps are done and cancels their spares still running: a push in `wait`
+    mode lets the engine finish every request it runs, so a running spare would hold it.
+    Step 0 is trained; step 1 (one step ahead) has a spare that would take 30 s."""
+
+    def batcher(seed):
+        cfg = _cfg(spare_groups=2, seed=seed, max_off_policy_steps=1)
+        return ExperienceBatcher(cfg, _prompts(12), 2, clients={})
+
+    def slow_spare(b):  # step 1's first spare, by its prompt's length
+        return b.spares.index(1, 0) + 3
+
+    seed = next(  # no regular group of steps 0 and 1 shares that prompt
+        s
+        for s in range(50)
+        if slow_spare(batcher(s)) not in {batcher(s).sampler.index_at(i) + 3 for i in range(8)}
+    )
+
+    async def main():
+        b = batcher(seed)
+        b._clients = {
+            "generation": ScriptedGeneration(b, slow={slow_spare(b): 30.0}),
+            "verifier": ScriptedVerifier(set()),
+        }
+        await b.start(0)
+        await b.set_version(0)
+        await asyncio.gather(_drain(b, 0), _drain(b, 1))  # step 0 trained
+        step1 = b.spares._tasks[1]
+        t = time.monotonic()
+        await b.wait_generated(20.0)
+        waited = time.monotonic() - t
+        gone_before_the_push = step1[0].cancelled()
+        await b.set_version(1)  # the push
+        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.stop()
+        return waited, gone_before_the_push, per_rank[0][-1]
+
+    waited, gone_before_the_push, eob = _run(main())
+    assert waited < 10 and gone_before_the_push
+    assert eob.stats["dropped/spare_unused"] >= 4.0
+    _balanced(eob.stats, planned=16, requested=24, trained=16, skipped=0)
