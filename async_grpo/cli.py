@@ -252,8 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("env-server", help="serve an environment over HTTP (environment.url)")
     p.add_argument("name", help="environment name or module:Class")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="any but loopback needs a token")
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument(
+        "--token-file",
+        help="file holding the shared token clients must send (default: $ASYNC_GRPO_ENV_TOKEN)",
+    )
+    p.add_argument("--max-sessions", type=int, default=1024, help="open sessions; more get 503")
+    p.add_argument(
+        "--session-ttl-s", type=float, default=3600.0, help="close sessions idle this long"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=30.0, help="seconds a client may take to send a request"
+    )
+    p.add_argument("--threads", type=int, default=16, help="threads for plain (not async) methods")
     p.set_defaults(func=_env_server)
 
     add_cluster_parsers(sub)
@@ -266,10 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _env_server(args: argparse.Namespace) -> int:
-    from async_grpo.environments.http import serve
+    from async_grpo.environments.http import read_token, serve
 
+    token = read_token(args.token_file)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop it
-        serve(args.name, args.host, args.port)
+        serve(
+            args.name,
+            args.host,
+            args.port,
+            token=token,
+            max_sessions=args.max_sessions,
+            session_ttl_s=args.session_ttl_s,
+            timeout_s=args.timeout_s,
+            threads=args.threads,
+        )
     return 0
 
 

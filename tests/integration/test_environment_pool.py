@@ -274,3 +274,33 @@ def test_a_group_given_up_during_its_acquire_leaves_no_instance(cluster, tokeniz
         wait_until_empty()
     finally:
         stop_workers([w], drain_timeout_s=5)
+
+
+def test_a_reset_past_its_timeout_still_closes_its_server_session(cluster, monkeypatch):
+    """Server-backed: the worker gives up on a reset (its timeout) and closes the instance
+    while the server is still making the session; when the session comes, the client
+    closes it, so none is left on the server."""
+    import ray
+
+    from async_grpo.environments import Task
+    from async_grpo.environments.http import make_server
+    from async_grpo.environments.pool import EnvironmentFailed
+    from async_grpo.inference.launch import start_environment_workers, stop_workers
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    server = make_server("envs_for_tests:SlowReset")  # each reset takes 1 s
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cfg = EnvironmentConfig(name="envs_for_tests:SlowReset", url=url, step_timeout_s=0.3)
+    (w,) = start_environment_workers(cfg, 1)
+    try:
+        with pytest.raises(EnvironmentFailed, match="TimeoutError"):
+            ray.get(w.acquire.remote([Task("x", "")] * 2, "g", 60.0), timeout=30)
+        t = time.monotonic()
+        while server.sessions and time.monotonic() - t < 10:
+            time.sleep(0.1)
+        assert not server.sessions  # each made, then closed by the client that gave up
+    finally:
+        stop_workers([w], drain_timeout_s=5)
+        server.shutdown()
+        server.server_close()

@@ -32,6 +32,10 @@ EXAMPLES: dict[str, tuple[tuple, dict]] = {
         {"reason": "timeout"},
     ),
     "async_grpo.environments.base.BadStep": (("step: returned int",), {}),
+    "async_grpo.environments.http._Refusal": (
+        (503, "sessions: --max-sessions is 2"),
+        {"status": 503, "message": "sessions: --max-sessions is 2"},
+    ),
 }
 
 
