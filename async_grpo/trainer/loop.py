@@ -30,6 +30,7 @@ from async_grpo.errors import UserError
 from async_grpo.faults import fault_point
 from async_grpo.hooks import HookContext, Hooks
 from async_grpo.timeline import SpanLog
+from async_grpo.trainer.push import WeightPusher, rank0_decides
 
 # the trainer's idle time in a step: waiting for samples, for generation before a push
 # (the fixed lag), and for an evaluation of the old version before a push
@@ -91,8 +92,6 @@ class Trainer:
             self.curriculum = info.get("curriculum")
 
     def run(self) -> None:
-        from async_grpo.trainer.push import rank0_decides
-
         self.t_start = time.perf_counter()
         self.final_push = rank0_decides(self.hooks.wants_final_push)
         if self.rank == 0:  # a late joiner must not load another run's checkpoint
@@ -100,6 +99,20 @@ class Trainer:
             ctx = HookContext(self.cfg, Path(self.cfg.output_dir), self.model_dir, self.writer.log)
             ctx.hooks, ctx.extra["log_dir"] = self.hooks, self.log_dir
             self.hooks.call("on_start", ctx)
+        try:
+            self._steps()
+        except BaseException:  # an error, or SystemExit from Ray's SIGTERM handler
+            self.pusher.remove_weight_file()
+            raise
+        self.pusher.close()  # the shared-memory slots, the broadcast group
+        if self.rank == 0:
+            self.batcher.stop()
+            self.writer.close()
+            self.bar.close()
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def _steps(self) -> None:
         self.pusher.push(self.start)  # the workers serve exactly the weights step `start` trains
         if self.rank == 0:
             from tqdm import tqdm
@@ -114,13 +127,6 @@ class Trainer:
             self.step(step)
         if self.rank == 0:
             self.hooks.call("on_end")
-        self.pusher.close()  # the shared-memory slots, the broadcast group
-        if self.rank == 0:
-            self.batcher.stop()
-            self.writer.close()
-            self.bar.close()
-        dist.barrier()
-        dist.destroy_process_group()
 
     def _write_params(self) -> None:
         """training_params.json: the config, and what `auto` resolved to in each process."""
@@ -200,8 +206,6 @@ class Trainer:
         weights held now, which are version `step` (no optimizer step has run since), if
         rank 0 still finds a worker behind it; the up-to-date workers reload the same
         version. Gradients accumulated so far are untouched."""
-        from async_grpo.trainer.push import rank0_decides
-
         behind = self.pusher.behind(step) if self.rank == 0 else []
         if not rank0_decides(bool(behind)):
             return
@@ -449,8 +453,6 @@ def build_trainer(
     trainer.attention_reason = reason
     if resume_from is not None:
         trainer.resume(resume_from)
-    from async_grpo.trainer.push import WeightPusher
-
     trainer.pusher = WeightPusher(
         policy,
         rank,

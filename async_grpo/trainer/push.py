@@ -448,11 +448,15 @@ class WeightPusher:
         refs = [r.announce_checkpoint.remote(version, hf_dir) for r in self.registries.values()]
         ray.get(refs, timeout=60)
 
+    def remove_weight_file(self) -> None:
+        """Unlink the shared-memory slots' file (a run that fails: nothing else is closed)."""
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
+
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
-        if self.slots is not None:
-            self.slots.close()
-            self.slots = None
+        self.remove_weight_file()
         self.members = {}
