@@ -19,6 +19,8 @@ from async_grpo.data import Prompt
 from async_grpo.evaluation.scoring import EvalResult, EvalSample, summarize
 from async_grpo.inference.types import SamplingSettings
 
+UNSERVED_CHECK_S = 1.0  # how often an evaluation checks that a worker still serves its version
+
 
 class Evaluator:
     """Evaluates `prompts` (tokenized) at a policy version; `clients` maps "generation" and
@@ -67,11 +69,20 @@ class Evaluator:
                 failures.append(f"question {q}: {type(e).__name__}: {e}")
 
         error = None
-        try:
-            async with asyncio.timeout(c.timeout_s):
-                await asyncio.gather(*(question(q, p) for q, p in enumerate(self.prompts)))
-        except TimeoutError:
+        work = asyncio.ensure_future(
+            asyncio.gather(*(question(q, p) for q, p in enumerate(self.prompts)))
+        )
+        unserved = asyncio.ensure_future(self._unserved(version))
+        done, _ = await asyncio.wait(
+            {work, unserved}, timeout=c.timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        unserved.cancel()
+        if work not in done:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
             error = f"not finished within eval.timeout_s={c.timeout_s:g}s"
+            if unserved in done:  # the trainer's next push is what can serve it again
+                error = f"no generation worker serves version {version} or newer any more"
         answered = {s.question for s in samples}
         metrics = summarize(samples, c.samples_per_question, c.pass_k)
         metrics["eval/policy_version"] = float(version)
@@ -82,6 +93,24 @@ class Evaluator:
             error = f"{len(failures)} of {len(self.prompts)} questions failed; first: {failures[0]}"
         samples.sort(key=lambda s: s.question)
         return EvalResult(version, metrics, samples, metrics["eval/seconds"], error)
+
+    async def _unserved(self, version: int) -> None:
+        """Return once no registered generation worker serves `version` or newer (all of
+        them replaced, loading an older checkpoint): the requests left could only wait. In
+        a run only: `async-grpo eval`'s private workers have no registry."""
+        pool = self._pools()["generation"]
+        if not hasattr(pool, "connect"):
+            await asyncio.Event().wait()  # never
+        await pool.connect()
+        while True:
+            await asyncio.sleep(UNSERVED_CHECK_S)
+            try:
+                async with asyncio.timeout(UNSERVED_CHECK_S * 10):
+                    workers = await pool.registry.status.remote()
+            except TimeoutError:
+                continue  # the registry is busy: check again
+            if not any(w.version >= version for w in workers):
+                return
 
     async def _question(self, q: int, prompt: Prompt, version: int) -> list[EvalSample]:
         from async_grpo.rewards import RewardInput

@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -140,6 +141,52 @@ def test_an_evaluation_past_its_timeout_reports_what_finished():
         ).evaluate(0)
     )
     assert "not finished within eval.timeout_s=0.5s" in r.error
+    assert r.metrics["eval/questions"] == 1 and r.metrics["eval/missing_questions"] == 1
+
+
+def test_an_evaluation_stops_when_no_worker_serves_its_version(monkeypatch):
+    """A generation worker replaced during an evaluation loads the newest checkpoint, older
+    than the evaluated version: its requests could only wait out `eval.timeout_s` while the
+    trainer waits for the evaluation before its next push. It stops as soon as no registered
+    worker serves the version (or a newer one), with what finished."""
+    from async_grpo.evaluation import runner
+    from async_grpo.inference.types import WorkerStatus
+
+    monkeypatch.setattr(runner, "UNSERVED_CHECK_S", 0.05)
+
+    class Replaced(_Generation):  # question 20's worker was replaced: its call never ends
+        def __init__(self, version):
+            super().__init__(version)
+            self.served = {"gen-a": 3}
+            outer = self
+
+            class _Status:
+                async def remote(self):
+                    return [
+                        WorkerStatus(w, "generation", 8, 0, v, "", 0.0)
+                        for w, v in outer.served.items()
+                    ]
+
+            self.registry = type("Registry", (), {"status": _Status()})()
+
+        async def connect(self):
+            pass
+
+        async def call(self, n, method, ids, *a, **k):
+            if ids == [20]:
+                self.served = {"gen-b": 2}  # the replacement loaded checkpoint 2
+                await asyncio.sleep(30)
+            return await super().call(n, method, ids, *a, **k)
+
+    cfg = EvalConfig(data="x", rewards=["exact"], timeout_s=20)
+    t = time.monotonic()
+    r = asyncio.run(
+        Evaluator(
+            cfg, 8, _prompts(["10", "20"]), {"generation": Replaced(3), "verifier": _Verifier()}
+        ).evaluate(3)
+    )
+    assert time.monotonic() - t < 5
+    assert r.error == "no generation worker serves version 3 or newer any more"
     assert r.metrics["eval/questions"] == 1 and r.metrics["eval/missing_questions"] == 1
 
 
