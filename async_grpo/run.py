@@ -146,6 +146,16 @@ class LocalHead:
             if not tries_left:
                 raise RuntimeError(f"ray head exited: {error[-2000:]}")
 
+    def _gcs_failed(self) -> str:
+        """The GCS's own line when it could not bind its port: `ray start` notices only
+        after waiting about 40 s for it."""
+        for log in Path(self.temp).glob("session_*/logs/gcs_server.out"):
+            with contextlib.suppress(OSError):
+                for line in log.read_text(errors="replace").splitlines():
+                    if "Failed to start the grpc server" in line:
+                        return line
+        return ""
+
     def _start(self, num_cpus: int, object_store_bytes: int) -> str | None:
         """Start the head on a free port; None once it listens, or its stderr if it exited
         (the GCS fails to start when another process took the port first)."""
@@ -172,10 +182,11 @@ class LocalHead:
         self.address = f"127.0.0.1:{self.port}"
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         while True:
-            if self.proc.poll() is not None:
+            gcs_failed = self._gcs_failed()
+            if gcs_failed or self.proc.poll() is not None:
                 with contextlib.suppress(ProcessLookupError):  # what it started before failing
                     os.killpg(self.proc.pid, signal.SIGKILL)
-                return self.proc.stderr.read().decode()
+                return gcs_failed or self.proc.stderr.read().decode()
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return None

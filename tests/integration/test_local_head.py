@@ -15,7 +15,8 @@ def test_a_head_whose_port_was_taken_starts_again_on_another(monkeypatch):
     """Between picking a free port and the head binding it, another process (a second run
     starting, the other pytest worker) can take it; the GCS then fails and the head exits
     (seen in the default test run). The head is started again on a fresh port, and a real
-    cluster answers there. The failed start takes about 40 s: the GCS retries the port."""
+    cluster answers there. The failed start is seen in the GCS's log within a second
+    (`ray start` itself waits about 40 s for the dead GCS)."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))  # bound, not listening: nothing answers there
     taken_port = taken.getsockname()[1]
