@@ -88,7 +88,7 @@ def held_out_rows(rows: list[dict], exclude: list[str]) -> list[dict]:
 
 def _train(args: argparse.Namespace) -> int:
     from async_grpo.config import load_config
-    from async_grpo.trainer.loop import train
+    from async_grpo.trainer.setup import train
 
     cfg = load_config(args.config, args.overrides)
     under_run = bool(os.environ.get(EXIT_FILE_ENV))

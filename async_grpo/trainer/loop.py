@@ -10,7 +10,6 @@ sampling corrects for it); with 0 it is on-policy GRPO.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import defaultdict
@@ -30,18 +29,19 @@ from async_grpo.errors import UserError
 from async_grpo.faults import fault_point
 from async_grpo.hooks import HookContext, Hooks
 from async_grpo.timeline import SpanLog
-from async_grpo.trainer.push import WeightPusher, rank0_decides
+from async_grpo.trainer.books import StepBooks, reduce_books
+from async_grpo.trainer.push import rank0_decides
 
 # the trainer's idle time in a step: waiting for samples, for generation before a push
 # (the fixed lag), and for an evaluation of the old version before a push
 IDLE_KEYS = ("time/wait", "time/wait_generated", "time/hooks_before_push")
-
-
-def process_group_backend(device_type: str) -> str:
-    """The default group's backend for each device type it carries tensors of: host
-    tensors (counts, barriers) over gloo and, on CUDA, the FSDP collectives over NCCL.
-    A collective on a tensor of any other device type fails, so none may be issued."""
-    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "cpu:gloo"
+# the step's timings that _accumulate sums, kept in its metrics row
+ACCUMULATED_TIMINGS = (
+    "time/wait",
+    "time/forward_backward",
+    "weight_catch_up_pushes",
+    "time/weight_catch_up",
+)
 
 
 class Trainer:
@@ -228,63 +228,48 @@ class Trainer:
         (logp.sum() * 0.0).backward()
 
     def step(self, step: int) -> dict[str, Any]:
-        """One optimizer step over everything the batcher sends for `step`; returns the
-        step's metrics (the same on every rank, written by rank 0)."""
-        from async_grpo.trainer import checkpoint
-        from async_grpo.trainer.model import full_state_dict, scale_grads
-
-        t, t0 = self.cfg.trainer, time.perf_counter()
+        """One optimizer step over everything the batcher sends for `step`, in its phases:
+        accumulate, reduce and check the books, optimize, then push and save as due, and
+        record. Returns the step's metrics (the same on every rank, written by rank 0)."""
+        t0 = time.perf_counter()
         if self.rank == 0:
             self.hooks.call("before_step", step)
         eob, acc = self._accumulate(step)
         fault_point("trainer.step")  # the fault suite's trainer crash: after fwd/bwd
-        if eob.step != step or acc["passes"] != eob.num_minibatches:
-            raise RuntimeError(
-                f"rank {self.rank}: step {step} ran {acc['passes']} minibatches, the batcher"
-                f" closed step {eob.step} after {eob.num_minibatches}"
-            )
         to, wall = time.perf_counter(), time.time()
-        keys = sorted(acc["sums"])
-        flat = torch.tensor(
-            [*acc["counts"], acc["tokens"], acc["received"], *(acc["sums"][k] for k in keys)],
-            dtype=torch.float64,
-        )  # host tensor: the default group carries cpu tensors over gloo on every device
-        dist.all_reduce(flat)
-        n_tok, n_seq, all_tokens = int(flat[0]), int(flat[1]), float(flat[2])
-        received = int(flat[3])
-        sums = dict(zip(keys, flat[4:].tolist(), strict=True))
-        sent = eob.stats.get("samples/trained", received)
-        if received != sent:  # the books say each sample is trained once: check it
-            raise RuntimeError(
-                f"step {step}: the ranks received {received} samples, the batcher sent {sent:.0f}"
-            )
-        n_tok, n_seq = n_tok + eob.skipped_tokens, n_seq + eob.skipped_samples
-        if (n_tok, n_seq) != (eob.global_tokens, eob.global_samples):
-            raise RuntimeError(
-                f"step {step}: trainer counted {n_tok} tokens / {n_seq} samples"
-                f" (skipped ones included), batcher {eob.global_tokens} / {eob.global_samples}"
-            )
-        denom = n_tok if t.loss.aggregation == "token_mean" else n_seq
+        books = reduce_books(acc, eob, step, self.rank, self.cfg.trainer.loss.aggregation)
+        grad_norm, lr = self._optimize(books.denom)
+        self.spans.add("train", wall, time.time())
+        self.samples_seen += books.samples
+        timings = {k: float(acc[k]) for k in ACCUMULATED_TIMINGS}
+        timings["time/optimizer"] = time.perf_counter() - to
+        timings |= self._push_and_save(step + 1)
+        record = self._record(step + 1, t0, acc, books, eob, grad_norm, lr, timings)
+        self._report(step, record, eob)
+        return record
+
+    def _optimize(self, denom: int) -> tuple[float, float]:
+        """Scale the summed gradients to the step's mean, clip, step; (grad norm, lr)."""
+        from async_grpo.trainer.model import scale_grads
+
         if denom:
             scale_grads(self.policy, self.world / denom)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.policy.parameters(), self.cfg.trainer.grad_clip
+        )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = self.sched.get_last_lr()[0]
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        self.spans.add("train", wall, time.time())
-        self.samples_seen += n_seq
-        keep = (
-            "time/wait",
-            "time/forward_backward",
-            "weight_catch_up_pushes",
-            "time/weight_catch_up",
-        )
-        timings = {k: float(acc[k]) for k in keep}
-        timings["time/optimizer"] = time.perf_counter() - to
-        done = step + 1
+        return float(grad_norm), lr
+
+    def _push_and_save(self, done: int) -> dict[str, float]:
+        """Version `done` is trained: push it and save it where due; their timings."""
+        from async_grpo.trainer.model import full_state_dict
+
+        t, timings = self.cfg.trainer, {}
         save = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
         push = done % t.push_every == 0 and done < t.max_steps
         push = push or (done == t.max_steps and self.final_push)
@@ -301,54 +286,81 @@ class Trainer:
                 self.batcher.wait_generated()
             timings["time/wait_generated"] = time.perf_counter() - tg
             pending = self.batcher.pending(done) if save else None
-        if push:  # a collective: every rank gathers, rank 0 sends
-            if self.rank == 0:
-                th = time.perf_counter()
-                with self.spans.span("hooks"):
-                    self.hooks.call("before_push", done)  # an evaluation of the old version ends
-                timings["time/hooks_before_push"] = time.perf_counter() - th
-            with self.spans.span("push"):
-                timings |= self.pusher.push(done)
-            if self.rank == 0:
-                self.batcher.set_version(done)
-                self.hooks.call("after_push", done)
+        if push:
+            timings |= self._push(done)
         if save:
             ts, wall = time.perf_counter(), time.time()
-            counters: dict[str, Any] = {"samples_seen": self.samples_seen}
-            if self.rank == 0 and self.cfg.batcher.curriculum:
-                counters["curriculum"] = self.batcher.curriculum_state(step)
-            checkpoint.save(
-                self.cfg.output_dir,
-                done,
-                self.policy,
-                self.opt,
-                self.sched,
-                state,
-                self.model_dir,
-                self.rank,
-                counters,
-                pending,
-            )
-            if self.rank == 0:
-                path = checkpoint.checkpoint_dir(self.cfg.output_dir, done)
-                self.hooks.call("after_checkpoint", done, path)
+            self._save(done, state, pending)
             timings["time/checkpoint"] = time.perf_counter() - ts
             self.spans.add("save", wall, time.time())
+        return timings
+
+    def _push(self, done: int) -> dict[str, float]:
+        """A collective: every rank gathers, rank 0 sends (after the evaluation of the
+        version it replaces)."""
+        timings = {}
+        if self.rank == 0:
+            th = time.perf_counter()
+            with self.spans.span("hooks"):
+                self.hooks.call("before_push", done)
+            timings["time/hooks_before_push"] = time.perf_counter() - th
+        with self.spans.span("push"):
+            timings |= self.pusher.push(done)
+        if self.rank == 0:
+            self.batcher.set_version(done)
+            self.hooks.call("after_push", done)
+        return timings
+
+    def _save(self, done: int, state: dict[str, Any], pending: Any) -> None:
+        from async_grpo.trainer import checkpoint
+
+        counters: dict[str, Any] = {"samples_seen": self.samples_seen}
+        if self.rank == 0 and self.cfg.batcher.curriculum:
+            counters["curriculum"] = self.batcher.curriculum_state(done - 1)
+        checkpoint.save(
+            self.cfg.output_dir,
+            done,
+            self.policy,
+            self.opt,
+            self.sched,
+            state,
+            self.model_dir,
+            self.rank,
+            counters,
+            pending,
+        )
+        if self.rank == 0:
+            path = checkpoint.checkpoint_dir(self.cfg.output_dir, done)
+            self.hooks.call("after_checkpoint", done, path)
+
+    def _record(
+        self,
+        done: int,
+        t0: float,
+        acc: dict[str, Any],
+        books: StepBooks,
+        eob: EndOfBatch,
+        grad_norm: float,
+        lr: float,
+        timings: dict[str, float],
+    ) -> dict[str, Any]:
+        """The step's row of training_metrics.jsonl."""
         elapsed = time.perf_counter() - t0
         idle = sum(timings.get(k, 0.0) for k in IDLE_KEYS)
         timings["time/idle_fraction"] = idle / elapsed if elapsed > 0 else 0.0
+        sums = books.sums
         summary = summarize_metrics(
             {k: v for k, v in sums.items() if k.endswith("_sum") or k == "tokens"}
         )
-        record = {
+        return {
             "samples_seen": self.samples_seen,
             "policy_version": done,
-            "loss": sums.get("loss_total", 0.0) / max(denom, 1),
-            "grad_norm": float(grad_norm),
+            "loss": sums.get("loss_total", 0.0) / max(books.denom, 1),
+            "grad_norm": grad_norm,
             "lr": lr,
             "minibatches": acc["passes"],
             "reduce_passes": acc["reduce_passes"],
-            "tokens_per_s": all_tokens / elapsed,
+            "tokens_per_s": books.all_tokens / elapsed,
             "time/step": elapsed,
             "time/elapsed": time.perf_counter() - self.t_start,
             "clip_fraction": summary.get("clip_low_frac", 0.0) + summary.get("clip_high_frac", 0.0),
@@ -359,13 +371,17 @@ class Trainer:
             **self.policy.attention.stats(),
             **timings,
         }
+
+    def _report(self, step: int, record: dict[str, Any], eob: EndOfBatch) -> None:
+        """Write the row and the timeline, tell the hooks and the bar; warn or stop on the
+        step's scoring failures and lost groups."""
         spans = self.spans.take()
         if self.writer is not None:
-            self.writer.log(done, record)
+            self.writer.log(step + 1, record)
         if self.timeline is not None:
-            self.timeline.write(done, spans + eob.spans)
+            self.timeline.write(step + 1, spans + eob.spans)
         if self.rank == 0:
-            self.hooks.call("after_step", done, record, eob.samples)
+            self.hooks.call("after_step", step + 1, record, eob.samples)
         if self.bar is not None:
             self.bar.set_postfix(reward=f"{eob.stats.get('reward/mean', 0.0):.3f}")
             self.bar.update(1)
@@ -374,7 +390,6 @@ class Trainer:
             line = check_lost_groups(step, eob.stats, self.cfg.batcher.max_missing_fraction)
             if line:
                 print(f"warning: {line}", file=sys.stderr, flush=True)
-        return record
 
     def _check_scoring(self, step: int, stats: dict[str, float]) -> None:
         """Samples that failed to score (reward error or timeout) get reward 0: a warning
@@ -393,104 +408,3 @@ class Trainer:
                 " stopping instead of training on zero rewards"
             )
         print(f"warning: {line}", file=sys.stderr, flush=True)
-
-
-def select_trainer_attention(cfg: RunConfig) -> tuple[Any, str]:
-    """The trainer's attention backend for its device (core/attention), or a ConfigError."""
-    from async_grpo.config import ConfigError
-    from async_grpo.core.attention import select_attention
-
-    t, b = cfg.trainer, cfg.batcher
-    try:
-        return select_attention(t.attention, t.device, b.share_prompts, True, b.max_tokens_per_gpu)
-    except ValueError as e:
-        raise ConfigError(f"trainer.attention: {e}") from None
-
-
-def build_trainer(
-    cfg: RunConfig, address: str | None, resume: str | None, verbose: bool = False
-) -> Trainer:
-    """Everything a rank needs, in order: process group, Ray, the batcher, the sharded
-    policy, the optimizer, the resumed state; rank 0 also gets the pusher and the metrics.
-    Quiet unless `verbose`: the batcher's output goes to OUTPUT_DIR/logs/batcher.log."""
-    from async_grpo.logs import log_dir, quiet_libraries
-    from async_grpo.models import resolve_model
-    from async_grpo.ray_utils import connect
-    from async_grpo.run import wait_for_pools
-    from async_grpo.trainer import checkpoint
-    from async_grpo.trainer.batcher_link import group_timeout, setup_batcher
-    from async_grpo.trainer.model import build_optimizer, build_policy
-
-    t = cfg.trainer
-    timeout = group_timeout(cfg)
-    if t.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group(process_group_backend("cuda"), device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group(process_group_backend("cpu"), timeout=timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(t.threads)
-    torch.manual_seed(cfg.batcher.seed)
-    if not verbose:
-        quiet_libraries()
-    connect(address, log_to_driver=verbose)
-    if rank == 0 and cfg.environment.name is None:  # an environment run scores itself
-        from async_grpo.rewards.pool import check_verifiers
-
-        check_verifiers(cfg.verifier)
-    model_dir = str(resolve_model(cfg.model))
-    resume_from = checkpoint.find_resume(cfg.output_dir, resume) if resume else None
-    attention, reason = select_trainer_attention(cfg)
-    policy = build_policy(model_dir, t, device, world, attention)  # while the pools start
-    opt, sched = build_optimizer(policy, t)
-    wait_for_pools()
-    batcher = setup_batcher(
-        cfg, model_dir, rank, world, None if verbose else log_dir(cfg.output_dir)
-    )
-    trainer = Trainer(cfg, policy, opt, sched, batcher, model_dir, device)
-    trainer.attention_reason = reason
-    if resume_from is not None:
-        trainer.resume(resume_from)
-    trainer.pusher = WeightPusher(
-        policy,
-        rank,
-        t.device,
-        t.weight_transport,
-        in_flight=cfg.generation.weight_update == "in_flight",
-    )
-    if rank == 0:
-        trainer.log_dir = None if verbose else log_dir(cfg.output_dir)
-        trainer.hooks = Hooks(rank0_hooks(cfg, trainer))
-        from async_grpo.metrics import MetricsWriter
-
-        trainer.writer = MetricsWriter(
-            cfg.output_dir, trackers=cfg.trackers, after_step=trainer.start
-        )
-        from async_grpo.timeline import TimelineWriter
-
-        trainer.timeline = TimelineWriter(cfg.output_dir, trainer.start)
-    return trainer
-
-
-def rank0_hooks(cfg: RunConfig, trainer: Trainer) -> list[Any]:
-    """The hooks of rank 0, in order: the checkpoint announcement, the sample log, the
-    held-out evaluation, then the user's (`cfg.hooks`)."""
-    from async_grpo.hooks import load_hooks
-    from async_grpo.trainer.run_hooks import AnnounceCheckpoint, SampleLog
-
-    hooks: list[Any] = [AnnounceCheckpoint(trainer.pusher)]
-    if cfg.sample_every:
-        hooks.append(SampleLog(trainer.start))
-    if cfg.eval.data:
-        from async_grpo.evaluation.hook import EvalHook
-
-        hooks.append(EvalHook(cfg, trainer.model_dir, trainer.start))
-    return hooks + load_hooks(cfg.hooks)
-
-
-def train(
-    cfg: RunConfig, address: str | None, resume: str | None = None, verbose: bool = False
-) -> None:
-    build_trainer(cfg, address, resume, verbose).run()

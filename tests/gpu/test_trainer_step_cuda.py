@@ -24,8 +24,8 @@ def test_one_nccl_rank_runs_a_step(tmp_path):
     from _trainer import ScriptedBatcher, run_config, samples, trainer
     from test_trainer_step import COLLECTIVES, _reference
 
-    from async_grpo.trainer.loop import process_group_backend
     from async_grpo.trainer.model import full_state_dict
+    from async_grpo.trainer.setup import process_group_backend
 
     model_dir = tmp_path / "tiny"
     tiny_llama(seed=4).save_pretrained(model_dir)

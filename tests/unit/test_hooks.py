@@ -13,7 +13,7 @@ from _trainer import ScriptedBatcher, run_config, samples, trainer
 from async_grpo.config import HookSpec
 from async_grpo.errors import UserError
 from async_grpo.hooks import HookContext, HookFailed, Hooks, TrainingHook, load_hooks
-from async_grpo.trainer.loop import process_group_backend
+from async_grpo.trainer.setup import process_group_backend
 
 
 class Recorder(TrainingHook):

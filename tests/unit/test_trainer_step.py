@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM
 from async_grpo.core.logprobs import batch_logprobs
 from async_grpo.core.loss import build_loss, loss_counts, loss_weight_mask
 from async_grpo.core.packing import pack, plan_minibatches
-from async_grpo.trainer.loop import process_group_backend
 from async_grpo.trainer.model import full_state_dict
+from async_grpo.trainer.setup import process_group_backend
 
 COLLECTIVES = [
     "all_reduce",
