@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,21 +280,12 @@ def run_local(
     workers write to OUTPUT_DIR/logs/, whose path is printed if the run fails."""
     import ray
 
-    from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.inference import launch
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
     from async_grpo.logs import log_dir, quiet_libraries
-    from async_grpo.models import resolve_model
-    from async_grpo.preflight import preflight
     from async_grpo.ray_utils import connect
 
-    model_dir = str(resolve_model(cfg.model))
-    preflight(cfg, model_dir, resume)  # fail early: before Ray, pools or torchrun start
-    prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format)
-    if cfg.eval.data:  # a held-out set that overlaps training is refused before Ray starts
-        from async_grpo.evaluation.hook import held_out_prompts
-
-        held_out_prompts(cfg, model_dir)
+    model_dir = checked_before_ray(cfg, resume)
     head: LocalHead | None = None
     run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:8]  # a test may name it
     # a `run` killed outright leaves no head, no ranks and no weight files behind
@@ -316,28 +308,7 @@ def run_local(
         if threading.current_thread() is threading.main_thread():  # ray.init set its own
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, stop_on_signal)
-        device = cfg.trainer.device
-        starters = {
-            "generation": lambda n: launch.begin_generation_workers(
-                model_dir, cfg.generation, n, device, log_dir=logs
-            ),
-        }
-        counts = {"generation": cfg.generation.num_workers}
-        if cfg.environment.name is None:  # single-turn: the verifiers score
-            starters["verifier"] = lambda n: launch.begin_verifier_workers(
-                cfg.verifier, n, log_dir=logs
-            )
-            counts["verifier"] = cfg.verifier.num_workers
-        else:  # multi-turn: the environments score
-            starters["environment"] = lambda n: launch.begin_environment_workers(
-                cfg.environment, n, log_dir=logs
-            )
-            counts["environment"] = cfg.environment.num_workers
-        if cfg.trainer.loss.kl_coef > 0:
-            starters["logprob"] = lambda n: launch.begin_logprob_workers(
-                model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
-            )
-            counts["logprob"] = cfg.logprob.num_workers
+        starters, counts = pool_starters(cfg, model_dir, logs)
         # the pools and the trainer start side by side: a rank loads its model while the
         # engines start, and waits for POOLS_READY before it asks the pools for anything
         starting = {pool: starters[pool](counts[pool]) for pool in POOL_ORDER if pool in starters}
@@ -347,21 +318,9 @@ def run_local(
             flush=True,
         )
         exit_file, ready_file = exit_dir / "trainer_exit", exit_dir / "pools_ready"
-        env = {
-            **os.environ,
-            EXIT_FILE_ENV: str(exit_file),
-            POOLS_READY_ENV: str(ready_file),
-            RUN_ID_ENV: run_id,
-            "OMP_NUM_THREADS": str(cfg.trainer.threads),
-            "OMP_WAIT_POLICY": "PASSIVE",
-            "RAY_AUTH_MODE": "disabled",
-        }
-        if not verbose:  # a rank stopped by SIGTERM ends quietly (Ray's handler prints a C++
-            # stack report for it); a real crash still prints Python's stacks (faulthandler)
-            env |= {"RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1", "PYTHONFAULTHANDLER": "1"}
         trainer = subprocess.Popen(
             torchrun_command(cfg, config_path, overrides, address, resume, verbose),
-            env=env,
+            env=trainer_env(cfg, exit_file, ready_file, run_id, verbose),
             start_new_session=True,
         )
         watchdog.guard(trainer.pid)
@@ -399,13 +358,8 @@ def run_local(
                 signal.signal(sig, signal.SIG_IGN)  # SIGKILL still works: the watchdog
         if code not in (0, 130, 143, 129) and logs is not None and logs.is_dir():
             print(f"the run failed; the workers' logs are in {logs}/", flush=True)
-        if trainer is not None and trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGTERM)
-            try:
-                trainer.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(trainer.pid, signal.SIGKILL)
-                trainer.wait(timeout=30)
+        if trainer is not None:
+            stop_trainer(trainer)
         workers = supervisor.workers or workers
         if workers:
             launch.stop_workers(workers, drain_timeout_s=5)
@@ -416,3 +370,83 @@ def run_local(
         remove_weight_files(run_id)  # the ranks remove theirs, unless they were killed
         watchdog.close()
         shutil.rmtree(exit_dir, ignore_errors=True)
+
+
+def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
+    """Everything a run can refuse before Ray, the pools or torchrun start (preflight, the
+    prompts, a held-out set that overlaps training); the model's folder."""
+    from async_grpo.data.tokenize import prepare_prompts
+    from async_grpo.models import resolve_model
+    from async_grpo.preflight import preflight
+
+    model_dir = str(resolve_model(cfg.model))
+    preflight(cfg, model_dir, resume)
+    prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format)
+    if cfg.eval.data:
+        from async_grpo.evaluation.hook import held_out_prompts
+
+        held_out_prompts(cfg, model_dir)
+    return model_dir
+
+
+def pool_starters(
+    cfg: RunConfig, model_dir: str, logs: Path | None
+) -> tuple[dict[str, Callable[[int], Any]], dict[str, int]]:
+    """For each pool the run needs: what starts n of its workers, and how many it starts."""
+    from async_grpo.inference import launch
+
+    device = cfg.trainer.device
+    starters: dict[str, Callable[[int], Any]] = {
+        "generation": lambda n: launch.begin_generation_workers(
+            model_dir, cfg.generation, n, device, log_dir=logs
+        ),
+    }
+    counts = {"generation": cfg.generation.num_workers}
+    if cfg.environment.name is None:  # single-turn: the verifiers score
+        starters["verifier"] = lambda n: launch.begin_verifier_workers(
+            cfg.verifier, n, log_dir=logs
+        )
+        counts["verifier"] = cfg.verifier.num_workers
+    else:  # multi-turn: the environments score
+        starters["environment"] = lambda n: launch.begin_environment_workers(
+            cfg.environment, n, log_dir=logs
+        )
+        counts["environment"] = cfg.environment.num_workers
+    if cfg.trainer.loss.kl_coef > 0:
+        starters["logprob"] = lambda n: launch.begin_logprob_workers(
+            model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
+        )
+        counts["logprob"] = cfg.logprob.num_workers
+    return starters, counts
+
+
+def trainer_env(
+    cfg: RunConfig, exit_file: Path, ready_file: Path, run_id: str, verbose: bool
+) -> dict[str, str]:
+    """The torchrun ranks' environment: where to leave their exit code, when the pools
+    are ready, the run's id (its weight files), their threads."""
+    env = {
+        **os.environ,
+        EXIT_FILE_ENV: str(exit_file),
+        POOLS_READY_ENV: str(ready_file),
+        RUN_ID_ENV: run_id,
+        "OMP_NUM_THREADS": str(cfg.trainer.threads),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "RAY_AUTH_MODE": "disabled",
+    }
+    if not verbose:  # a rank stopped by SIGTERM ends quietly (Ray's handler prints a C++
+        # stack report for it); a real crash still prints Python's stacks (faulthandler)
+        env |= {"RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1", "PYTHONFAULTHANDLER": "1"}
+    return env
+
+
+def stop_trainer(trainer: subprocess.Popen) -> None:
+    """SIGTERM to the ranks' process group, SIGKILL if they are not gone within 30 s."""
+    if trainer.poll() is not None:
+        return
+    os.killpg(trainer.pid, signal.SIGTERM)
+    try:
+        trainer.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
