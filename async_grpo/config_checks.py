@@ -78,7 +78,18 @@ def check_numbers(cfg: RunConfig) -> None:
 def validate(cfg: RunConfig) -> None:
     """Refuse configs that cannot run (they would hang or crash later)."""
     check_numbers(cfg)
-    g, b, t, v = cfg.generation, cfg.batcher, cfg.trainer, cfg.verifier
+    validate_generation(cfg)
+    validate_batcher(cfg)
+    validate_verifier(cfg)
+    validate_devices(cfg)
+    validate_environment(cfg)
+    validate_eval(cfg)
+    validate_loss(cfg)
+
+
+def validate_generation(cfg: RunConfig) -> None:
+    """Sampling the trainer can score, and a sample that fits the engine and a row."""
+    g, b = cfg.generation, cfg.batcher
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p: must be in (0, 1], got {g.top_p}")
     if g.top_p < 1:
@@ -102,6 +113,11 @@ def validate(cfg: RunConfig) -> None:
             f"batcher.max_tokens_per_gpu: {b.max_tokens_per_gpu} is below generation.max_model_len="
             f"{g.max_model_len}; a full-length sample could never be packed"
         )
+
+
+def validate_batcher(cfg: RunConfig) -> None:
+    """Pushes within the staleness bound; spares only where groups are set aside."""
+    b, t = cfg.batcher, cfg.trainer
     if b.max_off_policy_steps < t.push_every - 1:
         raise ConfigError(
             f"trainer.push_every: {t.push_every} makes samples {t.push_every - 1} steps stale,"
@@ -114,12 +130,21 @@ def validate(cfg: RunConfig) -> None:
             "batcher.spare_groups: spares replace equal-reward groups, which are set aside only"
             " with batcher.skip_zero_advantage on and trainer.loss.kl_coef and entropy_coef 0"
         )
+
+
+def validate_verifier(cfg: RunConfig) -> None:
+    v = cfg.verifier
     if v.combine == "weighted":
         missing = [r for r in v.rewards if r not in v.weights]
         if missing:
             raise ConfigError(f"verifier.weights: no weight for reward {missing[0]!r}")
     if not v.rewards:
         raise ConfigError("verifier.rewards: at least one reward is required")
+
+
+def validate_devices(cfg: RunConfig) -> None:
+    """Attention, kernels and weight transports the trainer's device can run."""
+    t, b = cfg.trainer, cfg.batcher
     if t.device == "cpu" and t.attention in ("flex", "flash"):
         raise ConfigError(
             f"trainer.attention: {t.attention!r} cannot train on CPU"
@@ -143,9 +168,11 @@ def validate(cfg: RunConfig) -> None:
             "trainer.attention: 'flash' (varlen) cannot express batcher.share_prompts;"
             " use flex or auto"
         )
-    validate_environment(cfg)
-    validate_eval(cfg)
-    loss = t.loss
+
+
+def validate_loss(cfg: RunConfig) -> None:
+    g = cfg.generation
+    loss = cfg.trainer.loss
     if not (0 <= loss.clip_low < 1) or loss.clip_high < 0:
         raise ConfigError(
             f"trainer.loss.clip_low/clip_high: bad bounds {loss.clip_low}/{loss.clip_high}"
