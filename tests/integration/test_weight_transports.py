@@ -291,3 +291,23 @@ def test_late_joiner_loads_the_checkpoint_then_the_next_push(
         assert {s.transport for s in status} == {"shm", "broadcast"}
     finally:
         stop_workers([late], drain_timeout_s=5)
+
+
+def test_the_push_timeout_holds_per_chunk_not_for_the_whole_push(workers, pusher, policy):
+    """A worker ends a push that stops arriving (its weights would be half loaded), but the
+    wait is for each next call of the push: a push longer than the timeout whose chunks
+    each come in time reaches every worker, and none of them ends."""
+    import ray
+
+    version = int(ray.get(workers[0].ping.remote())["version"]) + 1
+    whole = pusher.push(version)["time/weight_push"]
+    pusher.timeout_s = max(0.6 * whole, 0.4)  # shorter than the push, far above a chunk
+    try:
+        _perturb(policy, 3)
+        timings = pusher.push(version + 1)
+    finally:
+        pusher.timeout_s = 120.0
+    print(f"push {timings['time/weight_push']:.2f}s, timeout {0.6 * whole:.2f}s")
+    assert timings["weight_push_lost_workers"] == 0
+    pings = ray.get([w.ping.remote() for w in workers], timeout=60)
+    assert [p["version"] for p in pings] == [version + 1] * 2
