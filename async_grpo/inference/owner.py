@@ -6,15 +6,18 @@ processes are orphaned and may take their time to notice, or hang in their shutd
 that still holds a weight-broadcast group keeps its sockets open, and a member waiting for
 bytes relayed through it waits out the group's timeout (300 s): the push cannot start over
 until then. So the actor names itself in the environment its engine inherits, and each
-engine process that receives weights kills itself (SIGKILL: nothing to hang on) as soon as
-that process is gone.
+engine process that receives weights starts a small watcher process that SIGKILLs it
+(nothing to hang on) as soon as the actor is gone. The watcher is a process, not a thread:
+an engine stuck in a C call that holds the GIL (seen: a shutdown hung in a process-group
+destructor) would starve a thread.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 
 OWNER_ENV = "ASYNC_GRPO_ENGINE_OWNER"
@@ -41,16 +44,32 @@ def alive(pid: int) -> bool:
 
 
 def exit_with_owner(poll_s: float = 0.5) -> bool:
-    """In an engine process: kill this process once the owner named in the environment is
-    gone. False (and nothing started) where no owner is named, or this process is it."""
+    """In an engine process: have it killed once the owner named in the environment is
+    gone, by a small watcher process (which ends with the engine). False (and nothing
+    started) where no owner is named, or this process is it."""
     owner = int(os.environ.get(OWNER_ENV) or 0)
     if not owner or owner == os.getpid():
         return False
-
-    def watch() -> None:
-        while alive(owner):
-            time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="exit-with-owner", daemon=True).start()
+    # a process, not a thread: an engine stuck in a C call that holds the GIL (a shutdown
+    # hung in a process-group destructor) would starve a thread
+    subprocess.Popen(
+        [sys.executable, "-m", __name__, str(owner), str(os.getpid()), str(poll_s)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+    )
     return True
+
+
+def watch(owner: int, engine: int, poll_s: float) -> None:
+    """The watcher's loop: SIGKILL `engine` once `owner` is gone; end with the engine."""
+    while alive(engine):
+        if not alive(owner):
+            os.kill(engine, signal.SIGKILL)
+            return
+        time.sleep(poll_s)
+
+
+if __name__ == "__main__":  # the watcher process
+    watch(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))

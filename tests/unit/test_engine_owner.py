@@ -1,7 +1,9 @@
 """An engine process ends with the actor that owns it (async_grpo/inference/owner.py), across
 real processes: an owner spawns an "engine" that ignores SIGTERM and sleeps, as a stuck
-engine core would; the owner is SIGKILLed; the engine must be gone within seconds. The same
-engine without the watchdog outlives its owner (so the test can tell the two apart)."""
+engine core would; the owner is SIGKILLed; the engine must be gone within seconds, also
+while it is stuck in a C call that holds the GIL (a regex here; in a CI run, an engine
+core's shutdown hung in a process-group destructor), which a watcher thread could not
+survive. Without the watcher the engine outlives its owner (so the test tells them apart)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import time
 import pytest
 
 ENGINE = """
-import os, signal, sys, time
+import os, re, signal, sys, time
 from async_grpo.inference.owner import exit_with_owner
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-if sys.argv[1] == "watch":
+if sys.argv[1].startswith("watch"):
     assert exit_with_owner(poll_s=0.1)
 print(os.getpid(), flush=True)
+if sys.argv[1] == "watch-busy":  # stuck in C holding the GIL: no thread of it would run
+    re.match(r"(a+)+$", "a" * 34 + "b")
 time.sleep(600)
 """
 
@@ -50,7 +54,7 @@ def _engine_under_a_killed_owner(mode: str) -> tuple[int, bool]:
     return engine, alive(engine)
 
 
-@pytest.mark.parametrize("mode", ["watch", "none"])
+@pytest.mark.parametrize("mode", ["watch", "watch-busy", "none"])
 def test_an_engine_process_ends_with_its_owner(mode):
     engine, still_running = _engine_under_a_killed_owner(mode)
     if still_running:
