@@ -47,10 +47,11 @@ def test_every_way_an_environment_fails_ends_its_episode_and_the_run_goes_on(
         assert r["env/errors"] == 20, r
         assert r["dropped/group_error"] == 12, r  # the refused row: 3 tries of 4
         assert r["samples/scored"] == 24 and r["reward/max_in_group_mean"] == 1 / 6, r
-    # each step: the worker whose step exited, and the one whose 4 hung steps left 4 threads
-    # stuck (pool.STUCK_LIMIT), which retired once its group was released
-    assert steps[-1]["pool/environment/restarts"] == 4, steps[-1]
-    assert out.count("a worker died; started a new one") == 4, out[-4000:]
+    # each step ends two workers: the one whose step exited, and the one whose 4 hung steps
+    # left 4 threads stuck (pool.STUCK_LIMIT), which retires once its group is released.
+    # Step 2 ran on the replacements of step 1's; step 2's may come after the run ended.
+    assert steps[-1]["pool/environment/restarts"] >= 2, steps[-1]
+    assert out.count("a worker died; started a new one") >= 2, out[-4000:]
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("env-*.log"))
     assert logs.count("this worker retires") == 2
     gone = assert_all_gone(tag)
