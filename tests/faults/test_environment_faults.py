@@ -49,8 +49,8 @@ def test_every_way_an_environment_fails_ends_its_episode_and_the_run_goes_on(
         assert r["samples/scored"] == 24 and r["reward/max_in_group_mean"] == 1 / 6, r
     # each step ends two workers: the one whose step exited, and the one whose 4 hung steps
     # left 4 threads stuck (pool.STUCK_LIMIT), which retires once its group is released.
-    # Step 2 ran on the replacements of step 1's; step 2's may come after the run ended.
-    assert steps[-1]["pool/environment/restarts"] >= 2, steps[-1]
+    # Step 1's are replaced while step 2 runs; step 2's may be after the run's last row.
+    assert steps[-1]["pool/environment/restarts"] >= 1, steps[-1]
     assert out.count("a worker died; started a new one") >= 2, out[-4000:]
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("env-*.log"))
     assert logs.count("this worker retires") == 2
