@@ -116,13 +116,12 @@ class EnvironmentWorker:
         self._stuck -= 1
 
     async def _retire(self) -> None:
-        """Stop taking groups: leave the pool's registry, and end once no instance is held
-        (stuck threads cannot be freed any other way); the run starts a fresh worker."""
+        """Once `_retired` is set: leave the pool's registry, and end once no instance is
+        held (stuck threads cannot be freed any other way); the run starts a fresh worker."""
         import ray
 
         from async_grpo.inference.client import get_registry_async
 
-        self._retired = True
         print(
             f"{self.worker_id}: {self._stuck} threads stuck in calls past"
             f" {self.cfg.step_timeout_s:g}s; this worker retires",
