@@ -117,7 +117,9 @@ def _start(args: argparse.Namespace, cfg: Any, n: int | None = None) -> list[Any
     model = str(resolve_model(args.model))
     if args.mode == "generation":
         n = n or args.num_workers or cfg.generation.num_workers
-        return launch.start_generation_workers(model, cfg.generation, n, args.device)
+        return launch.start_generation_workers(
+            model, cfg.generation, n, args.device, adapters=launch.serving_adapters(cfg)
+        )
     n = n or args.num_workers or cfg.logprob.num_workers
     return launch.start_logprob_workers(
         model, cfg.logprob, n, args.device, cfg.trainer.loss.temperature

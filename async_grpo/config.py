@@ -134,6 +134,19 @@ class LossConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (PEFT) on the frozen base; `rank` 0 trains every weight instead.
+    See docs/lora.md."""
+
+    rank: int = 0  # r; 0: off (full fine-tuning)
+    alpha: float = 32.0  # the update is (alpha / rank) * B @ A
+    dropout: float = 0.0
+    # module name suffixes (q_proj, ...), or ["all-linear"]: every linear layer but the head
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    push: Literal["adapter", "merged"] = "adapter"  # merged: full weights, W + (alpha/r) B A
+
+
+@dataclass
 class TrainerConfig:
     """The torchrun FSDP2 trainer."""
 
@@ -156,6 +169,7 @@ class TrainerConfig:
     logprob_chunk_size: int = 1024
     threads: int = 1
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

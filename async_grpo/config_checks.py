@@ -85,6 +85,7 @@ def validate(cfg: RunConfig) -> None:
     validate_environment(cfg)
     validate_eval(cfg)
     validate_loss(cfg)
+    validate_lora(cfg)
 
 
 def validate_generation(cfg: RunConfig) -> None:
@@ -270,3 +271,30 @@ def validate_eval(cfg: RunConfig) -> None:
             "eval.data: held-out evaluation scores single-turn completions with the verifier"
             " pool; it does not run environment episodes yet"
         )
+
+
+def validate_lora(cfg: RunConfig) -> None:
+    """Adapters of a size vLLM can serve, on a trainer that can hold them."""
+    lora = cfg.trainer.lora
+    if lora.rank == 0:
+        return
+    if lora.rank < 0 or lora.rank > MAX_LORA_RANK:
+        raise ConfigError(
+            f"trainer.lora.rank: must be in 1..{MAX_LORA_RANK} (0: off), got {lora.rank}"
+        )
+    if lora.alpha <= 0:
+        raise ConfigError(f"trainer.lora.alpha: must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"trainer.lora.dropout: must be in [0, 1), got {lora.dropout}")
+    if not lora.target_modules or not all(m for m in lora.target_modules):
+        raise ConfigError(
+            f"trainer.lora.target_modules: expected module names or [all-linear], got"
+            f" {lora.target_modules!r}"
+        )
+    if cfg.trainer.kernels == "liger":
+        raise ConfigError(
+            "trainer.lora: liger-kernel's fused layers take no adapters; use kernels: eager"
+        )
+
+
+MAX_LORA_RANK = 512  # the largest rank vLLM serves (its max_lora_rank choices)

@@ -398,8 +398,13 @@ def pool_starters(
     device = cfg.trainer.device
     starters: dict[str, Callable[[int], Any]] = {
         "generation": lambda n: launch.begin_generation_workers(
-            model_dir, cfg.generation, n, device, log_dir=logs
-        ),
+            model_dir,
+            cfg.generation,
+            n,
+            device,
+            log_dir=logs,
+            adapters=launch.serving_adapters(cfg),
+        ),  # fmt: skip
     }
     counts = {"generation": cfg.generation.num_workers}
     if cfg.environment.name is None:  # single-turn: the verifiers score
@@ -412,7 +417,7 @@ def pool_starters(
             cfg.environment, n, log_dir=logs
         )
         counts["environment"] = cfg.environment.num_workers
-    if cfg.trainer.loss.kl_coef > 0:
+    if cfg.trainer.loss.kl_coef > 0 and not cfg.trainer.lora.rank:  # LoRA: the trainer's base
         starters["logprob"] = lambda n: launch.begin_logprob_workers(
             model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
         )

@@ -34,7 +34,7 @@ async def raw_engine(model_dir: str, cfg, prompts, n: int, tokens: int) -> float
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from async_grpo.inference.generation import cpu_scheduler_args
+    from async_grpo.inference.engine_args import cpu_scheduler_args
 
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(

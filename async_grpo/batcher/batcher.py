@@ -238,7 +238,9 @@ class ExperienceBatcher:
 
     @property
     def _kl(self) -> bool:
-        return self.cfg.trainer.loss.kl_coef > 0
+        """Reference log-probs from the logprob pool (under LoRA the trainer computes them
+        with its adapters off)."""
+        return self.cfg.trainer.loss.kl_coef > 0 and not self.cfg.trainer.lora.rank
 
     async def _guard(self, coro: Any) -> None:
         try:

@@ -131,7 +131,8 @@ def _start_workers(cfg: Any, model_dir: str, actors: list[Any]) -> tuple[Any, An
     import ray
 
     from async_grpo.evaluation.runner import DirectClient
-    from async_grpo.inference.generation import GenerationWorker, vllm_env
+    from async_grpo.inference.engine_args import vllm_env
+    from async_grpo.inference.generation import GenerationWorker
     from async_grpo.rewards.pool import VerifierWorker
 
     g = cfg.generation

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -30,9 +31,11 @@ import torch
 
 from async_grpo.config import GenerationConfig
 from async_grpo.faults import fault_point
+from async_grpo.inference.adapter_versions import AdapterVersions
+from async_grpo.inference.engine_args import cpu_scheduler_args, lora_engine_args
 from async_grpo.inference.owner import claim_engine_processes
 from async_grpo.inference.types import (
-    CPU_LINEAR_ENV,
+    AdapterServing,
     Completion,
     RequestError,
     SamplingSettings,
@@ -40,37 +43,6 @@ from async_grpo.inference.types import (
 from async_grpo.inference.worker_base import RegisteredWorker
 
 ENGINE_WATCH_S = 0.5  # how often a worker checks that its engine core still runs
-
-
-def vllm_env(cfg: GenerationConfig, device: str) -> dict[str, str]:
-    """Environment for an engine process (set through the actor's runtime_env)."""
-    env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(Path.home() / ".cache/vllm"))}
-    if device == "cpu":
-        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env |= {
-            "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.kv_cache_gib))),
-            "VLLM_CPU_OMP_THREADS_BIND": bind,
-            "OMP_NUM_THREADS": str(cfg.threads),
-            CPU_LINEAR_ENV: cfg.cpu_linear,
-            # unbound threads: the model runs in the engine-core process instead of a
-            # worker process of its own (faster start and decoding, docs/engine-processes.md);
-            # vLLM binds threads only in its worker process
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if bind == "nobind" else "1",
-        }
-    return env
-
-
-def cpu_scheduler_args(cfg: GenerationConfig, device: str) -> dict[str, Any]:
-    """On CPU, prefill whole prompts (no chunked prefill).
-
-    vLLM rewinds a seeded request's random generator when it discards the token sampled
-    after a partial prefill chunk; CPU torch generators have no offset, so the engine dies
-    ("CPU Generator does not use offset"). Without chunked prefill no sample is discarded.
-    See docs/vllm-cpu.md.
-    """
-    if device != "cpu":
-        return {}
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
 
 
 class GenerationWorker(RegisteredWorker):
@@ -84,9 +56,13 @@ class GenerationWorker(RegisteredWorker):
         cfg: GenerationConfig,
         worker_id: str | None = None,
         device: str = "cpu",
+        adapters: AdapterServing | None = None,
     ) -> None:
         super().__init__(worker_id or f"gen-{uuid.uuid4().hex[:6]}", cfg.max_concurrent_seqs)
         self.model_dir, self.cfg, self.device = model_dir, cfg, device
+        self.adapters = adapters  # LoRA serving (a run that pushes adapters), or None
+        self.lora: AdapterVersions | None = None  # the adapter versions in service
+        self.payload = "weights"  # what the trainer's pushes hold (init_weight_transfer)
         self.engine: Any = None
         self._update_lock = asyncio.Lock()
         self._watchdog: asyncio.Task | None = None  # ends a push that stops arriving
@@ -129,7 +105,11 @@ class GenerationWorker(RegisteredWorker):
             weight_transfer_config={"backend": "async_grpo"},  # registered by the extension
             disable_log_stats=True,
             **cpu_scheduler_args(c, self.device),
+            **lora_engine_args(self.adapters),
         )
+        if self.adapters is not None:
+            shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            self.lora = AdapterVersions(shm / f"async-grpo-adapters-{self.worker_id}-{os.getpid()}")
         claim_engine_processes()  # they end with this actor, however it ends
         self.engine = AsyncLLM.from_engine_args(args)
         self._engine_watch = asyncio.get_running_loop().create_task(self._watch_engine())
@@ -167,6 +147,8 @@ class GenerationWorker(RegisteredWorker):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         version = self.version
+        # an adapter run: the request keeps its version's adapter to its last token
+        adapter, lora_request = self.lora.acquire() if self.lora else (None, None)
         self.in_flight += n
         self.clock.enter()
         # a caller that gives up cancels this call (ray.cancel): the CancelledError raised
@@ -174,7 +156,10 @@ class GenerationWorker(RegisteredWorker):
         try:
             final = None
             async for out in self.engine.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=uuid.uuid4().hex
+                TokensPrompt(prompt_token_ids=prompt_ids),
+                params,
+                request_id=uuid.uuid4().hex,
+                lora_request=lora_request,
             ):
                 final = out
         except ValueError as e:  # vLLM's input validation: this request alone is bad
@@ -185,13 +170,15 @@ class GenerationWorker(RegisteredWorker):
         finally:
             self.in_flight -= n
             self.clock.leave()
+            if self.lora is not None:
+                self.lora.release(adapter)
+                await self._retire_adapters()
         self.requests_served += 1
+        if adapter is not None:  # the adapter's version, for every token
+            return [_completion(o, adapter, None) for o in final.outputs]
         return [
-            Completion(
-                list(o.token_ids),
-                [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)],
-                o.text,
-                "length" if o.finish_reason == "length" else "stop",
+            _completion(
+                o,
                 sampled_version(o.weight_versions, version),
                 token_versions(o.weight_versions, len(o.token_ids), version),
             )
@@ -227,6 +214,12 @@ class GenerationWorker(RegisteredWorker):
         """Open this engine's end of the transport the trainer chose (info["kind"])."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        self.payload = info.get("payload", "weights")
+        if self.payload == "adapter" and self.lora is None:
+            raise RuntimeError(
+                f"{self.worker_id}: the trainer pushes LoRA adapters but this engine was"
+                " started without LoRA serving (start workers with the run's config)"
+            )
         await self.engine.init_weight_transfer_engine(
             WeightTransferInitRequest(init_info={"info": info})
         )
@@ -248,6 +241,8 @@ class GenerationWorker(RegisteredWorker):
         another worker died), it stays paused and starts the reload over."""
         if self._attempt is not None:
             return await self._restart_update(version, timeout_s, attempt)
+        if self.payload == "adapter":
+            return await self._begin_adapter(version, timeout_s, attempt)
         await self._update_lock.acquire()
         try:
             t = time.perf_counter()
@@ -266,6 +261,39 @@ class GenerationWorker(RegisteredWorker):
         self._push = (version, timeout_s)
         self._arm_watchdog()
         return self.last_drain_s
+
+    async def _begin_adapter(self, version: int, timeout_s: float, attempt: int) -> float:
+        """An adapter push: nothing pauses (requests keep their own versions' adapters);
+        the chunks go to the new version's folder, served from `end_update` on."""
+        await self._update_lock.acquire()
+        try:
+            folder = str(self.lora.folder(version))
+            await self.engine.collective_rpc("async_grpo_adapter_target", args=(folder,))
+            await self.engine.start_weight_update()
+            self._next_chunk, self._attempt = 0, attempt
+        except BaseException:
+            self._update_lock.release()
+            raise
+        self.last_drain_s = 0.0
+        self._push = (version, timeout_s)
+        self._arm_watchdog()
+        return 0.0
+
+    async def _end_adapter(self, version: int, folder: Path, owned: bool) -> None:
+        """Serve the adapter in `folder` as `version` to new requests: loaded into the
+        engine now (a folder vLLM cannot load fails here, not in a request)."""
+        request = self.lora.add(version, folder, owned)
+        if not await self.engine.add_lora(request):
+            raise RuntimeError(f"{self.worker_id}: vLLM did not load adapter {folder}")
+        self.version = self.clock.version = version
+        await self.report_version()
+        await self._retire_adapters()
+
+    async def _retire_adapters(self) -> None:
+        """Unload the versions no request uses any more (not the newest)."""
+        for served in self.lora.retired():
+            await self.engine.remove_lora(served.request.lora_int_id)
+            self.lora.remove(served)
 
     async def _restart_update(self, version: int, timeout_s: float, attempt: int) -> float:
         if self._watchdog is not None:
@@ -321,6 +349,17 @@ class GenerationWorker(RegisteredWorker):
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._attempt = None
+        if self.payload == "adapter":
+            try:
+                await self.engine.finish_weight_update()
+                await self._end_adapter(version, self.lora.folder(version), owned=True)
+            finally:
+                self._update_lock.release()
+            return {
+                "version": self.version,
+                "prefix_reset_failures": self.prefix_reset_failures,
+                "weight_load_failures": self.weight_load_failures,
+            }
         try:
             await self.engine.finish_weight_update(weight_version=str(version))
             await self._after_update(version)
@@ -333,7 +372,18 @@ class GenerationWorker(RegisteredWorker):
         }
 
     async def load_weights_dir(self, hf_dir: str, version: int) -> int:
-        """Load a Hugging Face folder (a checkpoint) as `version`, paused like a push."""
+        """Load a Hugging Face folder (a checkpoint) as `version`, paused like a push; an
+        adapter checkpoint is served beside the running requests' adapters instead."""
+        from async_grpo.adapters import is_adapter_dir
+
+        if is_adapter_dir(hf_dir):
+            if self.lora is None:
+                self.weight_load_failures += 1
+                print(f"{self.worker_id}: {hf_dir} is an adapter; this engine serves none")
+                return self.version
+            async with self._update_lock:
+                await self._end_adapter(version, Path(hf_dir), owned=False)
+            return self.version
         await self._update_lock.acquire()
         try:
             await self.engine.pause_generation(mode="wait", clear_cache=True)
@@ -395,7 +445,22 @@ class GenerationWorker(RegisteredWorker):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.lora is not None:
+            self.lora.clear()
         return result
+
+
+def _completion(o: Any, version: int, versions: list[int] | None) -> Completion:
+    """One of vLLM's outputs as our Completion, sampled by `version` (each token by
+    `versions`, when they differ)."""
+    return Completion(
+        list(o.token_ids),
+        [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)],
+        o.text,
+        "length" if o.finish_reason == "length" else "stop",
+        version,
+        versions,
+    )
 
 
 def token_versions(spans: list[Any] | None, n: int, started: int) -> list[int] | None:

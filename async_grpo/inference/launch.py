@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config import EnvironmentConfig, GenerationConfig, LogprobConfig, VerifierConfig
+from async_grpo.config import (
+    EnvironmentConfig,
+    GenerationConfig,
+    LogprobConfig,
+    RunConfig,
+    VerifierConfig,
+)
+from async_grpo.inference.types import AdapterServing
 from async_grpo.ray_utils import NAMESPACE, registry_name
 
 START_TIMEOUT_S = 900.0
@@ -118,6 +125,16 @@ def _start_pool(
     return Starting(pool, workers, [w.start.remote() for w in workers], timeout_s)
 
 
+def serving_adapters(cfg: RunConfig) -> AdapterServing | None:
+    """How a run's generation workers serve adapters: None unless the trainer pushes LoRA
+    adapters; else one slot per version a request may still use (the staleness bound,
+    the version being loaded, and one to spare)."""
+    lora = cfg.trainer.lora
+    if not lora.rank or lora.push != "adapter":
+        return None
+    return AdapterServing(lora.rank, cfg.batcher.max_off_policy_steps + 3)
+
+
 def start_generation_workers(*args: Any, **kwargs: Any) -> list[Any]:
     """Start `count` vLLM workers on this cluster and register them; returns their handles
     (the arguments of `begin_generation_workers`)."""
@@ -132,9 +149,12 @@ def begin_generation_workers(
     detached: bool = False,
     timeout_s: float = START_TIMEOUT_S,
     log_dir: Path | None = None,
+    adapters: AdapterServing | None = None,
 ) -> Starting:
-    """`count` vLLM workers, starting (tens of seconds on CPU)."""
-    from async_grpo.inference.generation import GenerationWorker, vllm_env
+    """`count` vLLM workers, starting (tens of seconds on CPU); with `adapters`, serving
+    LoRA adapters (see `serving_adapters`)."""
+    from async_grpo.inference.engine_args import vllm_env
+    from async_grpo.inference.generation import GenerationWorker
 
     opts = {
         "num_cpus": cfg.threads if device == "cpu" else 1,
@@ -150,7 +170,7 @@ def begin_generation_workers(
         count,
         detached,
         timeout_s,
-        lambda wid: (model_dir, cfg, wid, device),
+        lambda wid: (model_dir, cfg, wid, device, adapters),
         log_dir,
     )
 

@@ -56,3 +56,13 @@ class WorkerStatus:
     node: str
     seconds_since_heartbeat: float
     transport: str = ""  # how pushed weights reach it (broadcast, shm, cuda_ipc), once known
+
+
+@dataclass(frozen=True)
+class AdapterServing:
+    """An engine that serves LoRA adapters (a run with `trainer.lora`, pushed as adapters):
+    ranks up to `max_rank`, and `slots` adapters held at once (one per policy version a
+    request may still be generating with)."""
+
+    max_rank: int
+    slots: int

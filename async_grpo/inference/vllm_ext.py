@@ -64,16 +64,26 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
         exit_with_owner()  # this process holds the transport: it must not outlive its actor
         self.receiver: Any = None
         self._in_place = False  # this update writes into the weights where they are
+        self.payload = "weights"  # or "adapter": chunks hold a LoRA adapter (trainer.lora)
+        self.adapter_config: dict[str, Any] = {}
+        self.adapter_target = ""  # the folder the adapter of the update under way goes to
+        self._adapter: dict[str, torch.Tensor] = {}
 
     def init_transfer_engine(self, init_info: TransportInit) -> None:
         self.shutdown()
         info = dict(init_info.info)
         if info["kind"] == "broadcast":  # every tensor-parallel shard is its own rank
             info["rank"] = info["rank_offset"] + int(self.parallel_config.rank)
+        self.payload = info.get("payload", "weights")
+        self.adapter_config = info.get("adapter_config") or {}
         self.receiver = open_receiver(info)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.payload == "adapter":  # the model is untouched: the tensors go to a folder
+            self._adapter = {}
+            return
 
         self._in_place = reloads_in_place(self.model)
         if not self._in_place:
@@ -91,6 +101,9 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
         flat = self.receiver.chunk(update_info.slot, update_info.nbytes)
         metas = [TensorMeta(n, tuple(s), d) for n, s, d in update_info.metas]
         tensors = unpack(flat, metas)
+        if self.payload == "adapter":  # copied out: the trainer reuses the slot
+            self._adapter |= {name: t.clone() for name, t in tensors}
+            return
         tied = self.model_config.hf_config.tie_word_embeddings
         if (self._in_place and tied) or not has_head(self.model):
             # a tied head is the embedding's own tensor here (no repacked copy to refresh),
@@ -104,6 +117,14 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        if self.payload == "adapter":  # the worker then serves the folder (add_lora)
+            from pathlib import Path
+
+            from async_grpo.adapters import write_adapter
+
+            write_adapter(Path(self.adapter_target), self._adapter, self.adapter_config)
+            self._adapter = {}
+            return
         if not self._in_place:
             finalize_layerwise_reload(self.model, self.model_config)
 
@@ -211,6 +232,10 @@ class WeightSyncExtension:
         """How this engine takes an update: "in_place" (plain weights written where they
         are) or "layerwise" (vLLM rebuilds, loads and processes each layer)."""
         return "in_place" if reloads_in_place(self.model_runner.get_model()) else "layerwise"
+
+    def async_grpo_adapter_target(self, folder: str) -> None:
+        """Where the adapter of the next update is written (a pushed version's folder)."""
+        self.weight_transfer_engine.adapter_target = folder
 
     def async_grpo_load_dir(self, hf_dir: str) -> int:
         """Reload every tensor of a Hugging Face folder in place; returns tensors loaded.

@@ -128,7 +128,8 @@ class RegisteredWorker:
         """Serve the weights saved as `version` in `hf_dir`. If they cannot be loaded (the
         folder is not on this node), say so in one line and keep serving the current
         weights: the trainer's next push brings this worker up to date."""
-        if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        readable = ("config.json", "adapter_config.json")  # a model, or a LoRA adapter
+        if not any(os.path.exists(os.path.join(hf_dir, f)) for f in readable):
             self.weight_load_failures += 1
             print(
                 f"{self.worker_id}: checkpoint version {version} ({hf_dir}) is not readable"

@@ -1,7 +1,8 @@
 """Checkpoints: an HF folder (loadable by transformers and vLLM) + exact-resume state.
 
 Layout: OUTPUT_DIR/checkpoints/step_N/{hf/, dcp/, pending_groups.json,
-trainer_state.json}, and OUTPUT_DIR/checkpoints/latest naming the newest complete one.
+trainer_state.json}; a LoRA run (`trainer.lora`) saves `adapter/` (PEFT's folder, whose
+config names the base model) instead of `hf/`, and its `dcp/` holds the adapters alone, and OUTPUT_DIR/checkpoints/latest naming the newest complete one.
 `trainer_state.json` is written last, so a checkpoint without it is incomplete and never
 resumed from. The sampler needs no state of its own: step N draws prompts N*q .. N*q+q-1.
 `pending_groups.json` holds the groups already generated for steps >= N (asynchronous runs
@@ -28,6 +29,20 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step_{step}"
 
 
+def weights_dir(path: Path) -> Path:
+    """The folder a worker loads a checkpoint from: its adapter, or its HF model."""
+    adapter = Path(path) / "adapter"
+    return adapter if adapter.is_dir() else Path(path) / "hf"
+
+
+def _options(policy: Any) -> Any:
+    """Under LoRA the frozen base is left out of the state (it is the model's files)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = getattr(policy, "lora", None) is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
 def save(
     output_dir: str,
     step: int,
@@ -46,13 +61,19 @@ def save(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = checkpoint_dir(output_dir, step)
-    model_sd, optim_sd = get_state_dict(policy, opt)
+    model_sd, optim_sd = get_state_dict(policy, opt, options=_options(policy))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     if rank == 0:
         from transformers import AutoTokenizer
 
-        policy.hf.save_pretrained(path / "hf", state_dict=full_state)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "hf")
+        if getattr(policy, "lora", None) is not None:
+            from async_grpo.adapters import write_adapter
+
+            write_adapter(path / "adapter", full_state, policy.adapter_config, tokenizer_dir)
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "adapter")
+        else:
+            policy.hf.save_pretrained(path / "hf", state_dict=full_state)
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "hf")
         if pending:
             groups = {
                 str(s): [None if g is None else [asdict(x) for x in g] for g in slots]
@@ -91,10 +112,17 @@ def load(path: Path, policy: Any, opt: Any, sched: Any) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(policy, opt)
+    options = _options(policy)
+    model_sd, optim_sd = get_state_dict(policy, opt, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
-    set_state_dict(policy, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        policy,
+        opt,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
+    )
     info = json.loads((path / STATE_FILE).read_text())
     sched.load_state_dict(info["scheduler"])
     return info

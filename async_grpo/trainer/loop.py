@@ -39,6 +39,7 @@ IDLE_KEYS = ("time/wait", "time/wait_generated", "time/hooks_before_push")
 ACCUMULATED_TIMINGS = (
     "time/wait",
     "time/forward_backward",
+    "time/reference",  # LoRA with a KL term: the base's log-probs, adapters off
     "weight_catch_up_pushes",
     "time/weight_catch_up",
 )
@@ -84,7 +85,7 @@ class Trainer:
         from async_grpo.trainer import checkpoint
 
         info = checkpoint.load(path, self.policy, self.opt, self.sched)
-        self.resumed_hf = str(path / "hf")
+        self.resumed_hf = str(checkpoint.weights_dir(path))
         self.start = int(info["step"])
         self.samples_seen = int(info.get("samples_seen", 0))
         if self.rank == 0:
@@ -158,12 +159,14 @@ class Trainer:
             "received": 0,  # samples in this rank's minibatches, with a loss token or not
             "time/wait": 0.0,
             "time/forward_backward": 0.0,
+            "time/reference": 0.0,
             "weight_catch_up_pushes": 0,
             "time/weight_catch_up": 0.0,
         }
         mask_truncated = self.cfg.trainer.loss.mask_truncated
         use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
         defer = self.cfg.trainer.defer_grad_sync and self.world > 1
+        base_kl = self.policy.lora is not None and self.cfg.trainer.loss.kl_coef > 0
         unreduced = False  # a backward ran without reducing its gradients
         while True:
             tw, wall = time.perf_counter(), time.time()
@@ -181,6 +184,10 @@ class Trainer:
             tf, wall = time.perf_counter(), time.time()
             batch = pack(item.samples, share_prompts=self.cfg.batcher.share_prompts)
             batch = self.policy.attention.prepare(batch).to(self.device)
+            if base_kl:
+                tr = time.perf_counter()
+                batch.ref_logprobs = self._base_logprobs(batch)
+                acc["time/reference"] += time.perf_counter() - tr
             if defer:  # the same on every rank: rounds and their `last` are
                 self.policy.set_requires_gradient_sync(item.last)
                 unreduced = not item.last
@@ -200,6 +207,15 @@ class Trainer:
             acc["tokens"] += item.num_tokens
             acc["time/forward_backward"] += time.perf_counter() - tf
             self.spans.add("train", wall, time.time())
+
+    def _base_logprobs(self, batch: Any) -> torch.Tensor:
+        """The reference log-probs under LoRA: the frozen base's, from the same policy with
+        its adapters switched off (no second model, no logprob pool)."""
+        from async_grpo.trainer.lora import adapters_off
+
+        with torch.no_grad(), adapters_off(self.policy.hf):
+            ref, _ = self.policy(batch, False)  # [T]
+        return ref.float().masked_fill(~batch.loss_mask, 0.0)
 
     def _catch_up(self, step: int, acc: dict[str, Any]) -> None:
         """A PushNow (every rank gets it between the same two minibatches): push the

@@ -20,11 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from async_grpo.adapters import adapter_file_name
 from async_grpo.config import TrainerConfig
 from async_grpo.core.attention import AttentionBackend, DenseAttention
 from async_grpo.core.logprobs import batch_logprobs
 from async_grpo.core.packing import PackedBatch
 from async_grpo.precision import Precision, resolve_dtype
+from async_grpo.trainer import lora as lora_module
 from async_grpo.trainer.weight_names import converted_sources
 
 PREFIX = "hf."
@@ -49,6 +51,8 @@ class Policy(nn.Module):
         self.precision = Precision("float32", "default")
         self.checkpointing = False
         self.fused_head = False  # the LM head's per-chunk maths as compiled kernels
+        self.lora: Any = None  # trainer.lora when adapters are trained, else None
+        self.adapter_config: dict[str, Any] = {}  # PEFT's adapter_config.json, resolved
 
     def forward(self, batch: PackedBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs of a batch already `self.attention.prepare`d."""
@@ -123,12 +127,14 @@ def build_policy(
     device: torch.device,
     world_size: int,
     attention: AttentionBackend | None = None,
+    seed: int = 0,
 ) -> Policy:
     """Load the HF model in the master dtype, optionally checkpoint its layers, shard it.
 
     FSDP2 casts the gathered parameters to the compute dtype (`compute_dtype`, `auto`: bf16
     only where the device computes it natively) for forward and backward, while master
-    weights, optimizer state and gradient reduction stay in `dtype`."""
+    weights, optimizer state and gradient reduction stay in `dtype`. With `cfg.lora` the
+    base is frozen in the compute dtype and only the adapters (drawn from `seed`) train."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -136,17 +142,26 @@ def build_policy(
     attention = attention or DenseAttention()
     config = AutoConfig.from_pretrained(model_dir)
     config.use_cache = False
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(
-            config,
-            dtype=getattr(torch, cfg.dtype),
-            attn_implementation=attention.implementation(config),
-        )
-    policy = Policy(hf, cfg.loss.temperature, cfg.logprob_chunk_size, attention)
     requested = cfg.compute_dtype or cfg.dtype
     if requested == "auto" and cfg.dtype != "float32":  # never compute wider than the masters
         requested = cfg.dtype
-    policy.precision = resolve_dtype(requested, device.type)
+    precision = resolve_dtype(requested, device.type)
+    lora = cfg.lora if cfg.lora.rank else None
+    # with adapters the frozen base has no master copy: it is held in the compute dtype
+    held = precision.torch_dtype if lora else getattr(torch, cfg.dtype)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(
+            config, dtype=held, attn_implementation=attention.implementation(config)
+        )
+        adapter_config = lora_module.inject(hf, lora) if lora else None
+    policy = Policy(hf, cfg.loss.temperature, cfg.logprob_chunk_size, attention)
+    policy.precision = precision
+    if lora:
+        for name, p in hf.named_parameters():
+            if lora_module.is_adapter(name):
+                p.data = p.data.to(getattr(torch, cfg.dtype))
+        policy.lora = lora
+        policy.adapter_config = lora_module.adapter_config_dict(adapter_config)
     ac = cfg.activation_checkpointing
     policy.checkpointing = device.type == "cuda" if ac is None else ac
     if cfg.kernels == "liger":
@@ -165,6 +180,9 @@ def build_policy(
     fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     policy.to_empty(device=device)
     load_shards(policy, Path(model_dir))
+    if lora:
+        named = [(n, p) for n, p in policy.named_parameters() if lora_module.is_adapter(n)]
+        lora_module.init_adapters(named, seed, _copy_rows)
     return policy
 
 
@@ -190,7 +208,12 @@ def load_shards(policy: Policy, model_dir: Path) -> None:
     from safetensors import safe_open
 
     files = _weight_files(model_dir)
-    params = dict(policy.named_parameters())  # tied weights appear once
+    # tied weights appear once; adapters are not in the files (init_adapters draws them)
+    params = {
+        lora_module.stored_name(n): p
+        for n, p in policy.named_parameters()
+        if not lora_module.is_adapter(n)
+    }
     absent = [n for n in params if n.removeprefix(PREFIX) not in files]
     converted = {
         n: found
@@ -257,8 +280,9 @@ def _shard_start(rows: int, mesh: Any) -> int:
 
 
 def build_optimizer(policy: Policy, cfg: TrainerConfig) -> tuple[Any, Any]:
-    """AdamW (one fused kernel per step on CUDA) and a linear-warmup-then-constant schedule."""
-    params = list(policy.parameters())
+    """AdamW (one fused kernel per step on CUDA) and a linear-warmup-then-constant schedule,
+    over the trained parameters (the adapters alone under LoRA)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         params,
         lr=cfg.lr,
@@ -275,13 +299,16 @@ def build_optimizer(policy: Policy, cfg: TrainerConfig) -> tuple[Any, Any]:
 
 
 def full_state_dict(policy: Policy) -> dict[str, Tensor]:
-    """The whole model with Hugging Face names, on CPU, on rank 0 (empty elsewhere).
-    A collective: every rank must call it."""
+    """The whole model with Hugging Face names, on CPU, on rank 0 (empty elsewhere); under
+    LoRA the adapters alone, by PEFT's saved names. A collective: every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(
-        policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=policy.lora is not None
     )
+    sd = get_model_state_dict(policy, options=options)
+    if policy.lora is not None:
+        return {adapter_file_name(k.removeprefix(PREFIX)): v for k, v in sd.items()}
     return {k.removeprefix(PREFIX): v for k, v in sd.items()}
 
 

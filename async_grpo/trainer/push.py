@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from async_grpo.trainer.weight_names import file_layout
 from async_grpo.transports.base import CHUNK_BYTES, TensorMeta, plan_chunks, slot_bytes, view_at
 
 
@@ -50,23 +49,6 @@ def rank0_decides(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _wire_tensors(
-    hf: nn.Module, params: list[tuple[str, torch.Tensor]]
-) -> list[tuple[str, tuple[int, ...], int, str | None]]:
-    """(name, whole shape, parameter index, part) of every tensor a push sends, in the
-    parameters' order; a parameter stored in another layout (fused experts) goes as the
-    files' tensors (part: their names), which is what vLLM's loaders take."""
-    wire = []
-    for i, (name, p) in enumerate(params):
-        shape = tuple(p.shape)  # global: a DTensor reports the whole parameter's
-        parts = file_layout(hf, name, torch.empty(shape, device="meta"))
-        if parts is None:
-            wire.append((name, shape, i, None))
-        else:
-            wire += [(k, tuple(t.shape), i, k) for k, t in parts.items()]
-    return wire
-
-
 def _full(param: torch.Tensor) -> torch.Tensor:
     """The whole parameter (an all-gather across ranks for an FSDP shard)."""
     full = getattr(param, "full_tensor", None)
@@ -86,15 +68,12 @@ class WeightPusher:
         worker_wait_s: float = 600.0,
         in_flight: bool = False,
     ) -> None:
-        from async_grpo.trainer.model import PREFIX
+        from async_grpo.trainer.payloads import select_payload
 
-        # tied weights go under both names: on CPU vLLM keeps a repacked copy of the LM
-        # head, which is refreshed only when `lm_head.weight` itself arrives
-        named = policy.named_parameters(remove_duplicate=False)
-        self.params = [(n.removeprefix(PREFIX), p) for n, p in named]
-        # what goes on the wire, in the files' layout: (name, shape, parameter, part)
-        self.hf = getattr(policy, "hf", policy)
-        self.wire = _wire_tensors(self.hf, self.params)
+        # what is gathered (every rank, in order) and what goes on the wire
+        self.payload = select_payload(policy)
+        self.params, self.wire = self.payload.params, self.payload.wire
+        self.adapter_config: dict[str, Any] = getattr(policy, "adapter_config", {})
         self._parts: tuple[int, dict[str | None, torch.Tensor]] = (-1, {})
         self.rank, self.device, self.forced = rank, device, transport
         self.timeout_s, self.chunk_limit, self.worker_wait_s = timeout_s, chunk_limit, worker_wait_s
@@ -228,15 +207,14 @@ class WeightPusher:
         return sent
 
     def _wire_tensor(self, i: int) -> torch.Tensor:
-        """Wire tensor `i`: its parameter gathered (once, in order: every rank gathers the
-        same parameters in the same order), whole or one part of its files' layout."""
+        """Wire tensor `i`, built from its source parameters gathered (once, in order:
+        every rank gathers the same parameters in the same order)."""
         _, _, index, part = self.wire[i]
         if self._parts[0] != index:
-            name, param = self.params[index]
-            full = _full(param).detach()
-            self._gathered = index + 1
-            parts = {None: full} if part is None else file_layout(self.hf, name, full)
-            self._parts = (index, parts)
+            n = self.payload.sources[index]
+            fulls = [_full(p).detach() for _, p in self.params[index : index + n]]
+            self._gathered = index + n
+            self._parts = (index, self.payload.build(index, fulls))
         return self._parts[1][part]
 
     def _drain_slot(self, in_slot: list[tuple[dict[str, Any], Any, int] | None], s: int) -> None:
@@ -367,6 +345,9 @@ class WeightPusher:
         for w in handles:
             if self.transports[w] != "broadcast":
                 infos[w] = {"kind": self.transports[w], **self.slots.worker_info()}
+        for info in infos.values():  # what the chunks hold: the weights, or an adapter
+            info["payload"] = self.payload.kind
+            info["adapter_config"] = self.adapter_config
         return infos
 
     def _device_id(self) -> str:

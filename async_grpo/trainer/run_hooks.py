@@ -24,7 +24,9 @@ class AnnounceCheckpoint(TrainingHook):
         self.pusher = pusher
 
     def after_checkpoint(self, step: int, path: Path) -> None:
-        self.pusher.announce_checkpoint(step, str(path / "hf"))
+        from async_grpo.trainer.checkpoint import weights_dir
+
+        self.pusher.announce_checkpoint(step, str(weights_dir(path)))
 
 
 class SampleLog(TrainingHook):

@@ -71,7 +71,7 @@ def build_trainer(
     model_dir = str(resolve_model(cfg.model))
     resume_from = checkpoint.find_resume(cfg.output_dir, resume) if resume else None
     attention, reason = select_trainer_attention(cfg)
-    policy = build_policy(model_dir, t, device, world, attention)  # while the pools start
+    policy = build_policy(model_dir, t, device, world, attention, seed=cfg.batcher.seed)
     opt, sched = build_optimizer(policy, t)
     wait_for_pools()
     batcher = setup_batcher(

@@ -133,18 +133,15 @@ def test_a_push_sends_the_files_tensors_under_their_names(family_dirs, family):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from async_grpo.trainer.push import _wire_tensors
-    from async_grpo.trainer.weight_names import file_layout
+    from async_grpo.trainer.payloads import FullWeights
 
     hf = AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32)
-    params = list(hf.named_parameters(remove_duplicate=False))
-    wire = _wire_tensors(hf, params)
+    payload = FullWeights(hf)
     with safe_open(str(family_dirs[family] / "model.safetensors"), framework="pt") as f:
         stored = set(f.keys())
         sent = set()
-        for name, shape, index, part in wire:
-            whole = params[index][1].detach()
-            tensor = whole if part is None else file_layout(hf, params[index][0], whole)[part]
+        for name, shape, index, part in payload.wire:
+            tensor = payload.build(index, [payload.params[index][1].detach()])[part]
             assert tuple(tensor.shape) == shape, name
             if name == "lm_head.weight" and name not in stored:
                 assert hf.config.tie_word_embeddings

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from async_grpo.config import GenerationConfig
-from async_grpo.inference.generation import vllm_env
+from async_grpo.inference.engine_args import vllm_env
 from async_grpo.run import POOLS_READY_ENV, wait_for_pools
 from async_grpo.transports.shm import RUN_ID_ENV, SharedSlots, remove_weight_files
 

@@ -4,16 +4,12 @@ process group it needs: a group with a backend only for the trainer's device typ
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _dist import one_rank_group
+from _dist import one_rank_group, run_two_ranks
 from _tiny import tiny_llama
 from _trainer import LOSS, ScriptedBatcher, run_config, samples, trainer
 from transformers import AutoModelForCausalLM
@@ -70,21 +66,8 @@ def _step_delta(
         torch.save({"delta": delta, "record": record}, Path(out) / "step.pt")
 
 
-def _rank(rank: int, port: int, model_dir: str, out: str, defer: bool, mark_last: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        process_group_backend("cpu"),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        _step_delta(model_dir, out, rank, 2, defer, mark_last)
-        dist.barrier()  # both ranks are done with every collective
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # gloo's threads can abort a normal interpreter exit after the teardown
+def _rank(rank: int, model_dir: str, out: str, defer: bool, mark_last: bool) -> None:
+    _step_delta(model_dir, out, rank, 2, defer, mark_last)
 
 
 def _assert_delta_is_gradient(out: Path, model_dir: str) -> dict:
@@ -120,10 +103,7 @@ def test_two_rank_step_equals_whole_batch_gradient(
 ):
     """Gradients reduced after every minibatch, only in the last one's backward, or (the
     last round was streamed, so not marked) by a one-token pass: the same exact gradient."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, model_dir, str(tmp_path), defer, mark_last), nprocs=2, join=True)
+    run_two_ranks(_rank, model_dir, str(tmp_path), defer, mark_last)
     record = _assert_delta_is_gradient(tmp_path, model_dir)
     assert record["reduce_passes"] == reduce_passes
     _, count = loss_counts(pack(samples()), LOSS.mask_truncated)

@@ -1,0 +1,90 @@
+"""LoRA adapters as files: PEFT's folder format, its tensor names, and merging.
+
+An adapter folder holds `adapter_model.safetensors` (tensors by PEFT's saved names,
+`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) and
+`adapter_config.json` (r, lora_alpha, target_modules, ...): what PEFT writes and what
+vLLM's LoRA loader reads. The trainer writes one into each adapter checkpoint; a
+generation worker writes one per pushed version (under /dev/shm) and serves it under its
+own name; `async-grpo export` merges one into its base model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+ADAPTER_NAME = "default"  # PEFT's name for the one adapter we train
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."
+
+
+def is_adapter_dir(folder: str | Path) -> bool:
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_file_name(name: str) -> str:
+    """PEFT's saved name of a factor: `model.layers.0.self_attn.q_proj.lora_A.default.weight`
+    -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return _PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def parameter_name(file_name: str) -> str:
+    """The inverse of `adapter_file_name`."""
+    head, _, tail = file_name.removeprefix(_PEFT_PREFIX).rpartition(".")
+    return f"{head}.{ADAPTER_NAME}.{tail}"
+
+
+def merged(weight: Tensor, a: Tensor, b: Tensor, factor: float) -> Tensor:
+    """`weight + factor * b @ a`, computed in fp32 (a bf16 sum would round the update away:
+    bf16 keeps 8 bits, an update of 1e-4 on a weight of 1e-1 is below its last bit) and
+    returned in fp32."""
+    return weight.float() + factor * (b.float() @ a.float())
+
+
+def write_adapter(
+    folder: Path, tensors: dict[str, Tensor], config: dict[str, Any], base: str | None = None
+) -> Path:
+    """A PEFT adapter folder (`adapter_model.safetensors` by PEFT's saved names, and
+    `adapter_config.json`), which PEFT and vLLM's LoRA loader read. Written under
+    temporary names and renamed, so a reader never finds half a file."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(config, base_model_name_or_path=base)
+    tmp = folder / (ADAPTER_FILE + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, folder / ADAPTER_FILE)
+    tmp = folder / (ADAPTER_CONFIG + ".tmp")
+    tmp.write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    os.replace(tmp, folder / ADAPTER_CONFIG)
+    return folder
+
+
+def read_adapter(folder: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """An adapter folder's tensors (by PEFT's saved names) and config."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    return load_file(str(folder / ADAPTER_FILE)), json.loads((folder / ADAPTER_CONFIG).read_text())
+
+
+def merge_folder(
+    adapter: dict[str, Tensor], config: dict[str, Any], base: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """The base model's tensors (by file name) with every adapted weight merged in, in the
+    base's own dtype."""
+    factor = config["lora_alpha"] / config["r"]
+    out = dict(base)
+    for name in adapter:
+        if ".lora_A." not in name:
+            continue
+        module = name.removeprefix(_PEFT_PREFIX).rpartition(".lora_A.")[0]
+        key = f"{module}.weight"
+        b = adapter[name.replace(".lora_A.", ".lora_B.")]
+        out[key] = merged(base[key], adapter[name], b, factor).to(base[key].dtype)
+    return out

@@ -1,0 +1,122 @@
+"""Low-rank adapters on the trainer's policy, through PEFT (`trainer.lora`).
+
+PEFT injects its LoRA layers into the Hugging Face model in place (`inject_adapter_in_model`),
+so the model keeps its class, its forward and its module tree: a wrapped linear layer
+`q_proj` becomes `q_proj.base_layer` (the frozen weight) beside `q_proj.lora_A.default` and
+`q_proj.lora_B.default` (the trained factors). Each layer computes
+`base(x) + (alpha / r) * B(A(dropout(x)))`.
+
+The base is frozen and held in the compute dtype (no gradient, no optimizer state, no
+master copy); the factors keep the trainer's master dtype. Names cross three layouts:
+- the trainer's parameter: `model.layers.0.self_attn.q_proj.base_layer.weight`,
+  `...q_proj.lora_A.default.weight`;
+- the model's files (what the base is loaded from, what a merged push sends):
+  `model.layers.0.self_attn.q_proj.weight`;
+- PEFT's adapter files (what an adapter push sends, what vLLM's LoRA loader reads):
+  `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from async_grpo.adapters import ADAPTER_NAME
+from async_grpo.config import LoraConfig
+
+
+def peft_config(cfg: LoraConfig) -> Any:
+    """PEFT's LoraConfig for `cfg` (`all-linear`: every linear layer but the LM head)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = cfg.target_modules
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        bias="none",
+    )
+
+
+def inject(hf: nn.Module, cfg: LoraConfig) -> Any:
+    """Add the adapters to `hf` in place (on any device, meta included); every other
+    parameter is frozen. Returns PEFT's config with the target modules resolved."""
+    from peft import inject_adapter_in_model
+
+    config = peft_config(cfg)
+    try:
+        inject_adapter_in_model(config, hf, adapter_name=ADAPTER_NAME)
+    except ValueError as e:  # no module matches the targets
+        raise ValueError(f"trainer.lora.target_modules: {e}") from None
+    for name, p in hf.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return config
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is one of the trained factors."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def stored_name(name: str) -> str:
+    """The files' name of a base parameter (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
+    return name.replace(".base_layer.", ".")
+
+
+def scale(cfg: LoraConfig) -> float:
+    return cfg.alpha / cfg.rank
+
+
+def init_adapters(named: list[tuple[str, Tensor]], seed: int, copy_rows: Any) -> None:
+    """Give every factor PEFT's starting values: A as `nn.Linear` draws it (Kaiming uniform,
+    a=sqrt(5)), B zero, so the adapted model starts as the base. Each whole factor is drawn
+    from one generator in parameter order, so every rank and every world size draws the
+    same numbers; `copy_rows(param, rows)` fills this rank's shard."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in named:
+            if ".lora_B." in name:
+                full = torch.zeros(p.shape, dtype=p.dtype)
+            elif ".lora_A." in name:
+                full = torch.empty(p.shape, dtype=torch.float32)
+                bound = 1.0 / math.sqrt(p.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+                full.uniform_(-bound, bound, generator=gen)
+                full = full.to(p.dtype)
+            else:
+                continue
+            copy_rows(p, lambda rows, f=full: f[rows])
+
+
+@contextlib.contextmanager
+def adapters_off(hf: nn.Module) -> Iterator[None]:
+    """The base model alone inside the block (PEFT's own switch on every LoRA layer)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in hf.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        for name, p in hf.named_parameters():  # PEFT's switch sets them; keep ours exact
+            p.requires_grad_(is_adapter(name))
+
+
+def adapter_config_dict(config: Any) -> dict[str, Any]:
+    """PEFT's config as the JSON its `save_pretrained` writes (sets as sorted lists)."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, set):
+            value = sorted(value)
+        elif hasattr(value, "value"):  # enums (peft_type, task_type)
+            value = value.value
+        out[key] = value
+    return out

@@ -1,0 +1,172 @@
+"""LoRA on the trainer (trainer/lora.py, payloads.py, checkpoint.py): a frozen base with
+PEFT's adapters on FSDP2, the step's exact gradient with the base's log-probs as the KL
+reference, what a push sends, and adapter-only checkpoints that resume exactly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import one_rank_group, run_two_ranks
+from _tiny import tiny_llama
+from _trainer import LOSS, ScriptedBatcher, run_config, samples, trainer
+from transformers import AutoModelForCausalLM
+
+from async_grpo.adapters import adapter_file_name
+from async_grpo.config import LoraConfig, TrainerConfig
+from async_grpo.core.logprobs import batch_logprobs
+from async_grpo.core.loss import build_loss, loss_counts
+from async_grpo.core.packing import pack
+from async_grpo.trainer import lora
+from async_grpo.trainer.model import _copy_rows, build_policy, full_state_dict
+
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_llama(seed=4).save_pretrained(path)
+    return str(path)
+
+
+def _trained_looking(named: list[tuple[str, torch.Tensor]], seed: int = 3) -> None:
+    """Give B non-zero values too (as after some steps), the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in named:
+        if ".lora_B." in name:
+            full = torch.randn(p.shape, generator=gen) * 0.05
+            with torch.no_grad():
+                _copy_rows(p, lambda rows, f=full: f[rows])
+
+
+def _adapters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in module.named_parameters() if lora.is_adapter(n)]
+
+
+def _reference(model_dir: str, seed: int) -> torch.nn.Module:
+    """transformers' own model with PEFT's adapters holding the policy's starting values."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    lora.inject(model, LORA)
+    lora.init_adapters(_adapters(model), seed, _copy_rows)
+    _trained_looking(_adapters(model))
+    return model
+
+
+def test_a_lora_policy_starts_as_its_base_and_trains_only_the_adapters(model_dir):
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base.config.use_cache = False
+    batch = pack(samples())
+    with torch.no_grad():
+        want, _ = batch_logprobs(base, batch, 1.0, 1024, False)
+    cfg = TrainerConfig(compute_dtype="float32", lora=LORA)
+    with one_rank_group("cpu:gloo"):
+        policy = build_policy(model_dir, cfg, CPU, 1)
+        with torch.no_grad():
+            got, _ = policy(batch, False)
+        from async_grpo.trainer.model import build_optimizer
+
+        opt, _ = build_optimizer(policy, cfg)
+        trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+        adapters = {n for n, _ in _adapters(policy)}
+        held = {p.dtype for n, p in policy.named_parameters() if not lora.is_adapter(n)}
+        bf16 = build_policy(model_dir, replace(cfg, compute_dtype="bfloat16"), CPU, 1)
+        bf16_held = {p.dtype for n, p in bf16.named_parameters() if not lora.is_adapter(n)}
+        bf16_adapters = {p.dtype for _, p in _adapters(bf16)}
+    assert torch.equal(got, want)  # B starts at zero: the adapted model is the base
+    assert trained == adapters and len(adapters) == 2 * 3 * 2  # A and B, 3 modules, 2 layers
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(adapters)
+    assert held == {torch.float32}
+    assert bf16_held == {torch.bfloat16} and bf16_adapters == {torch.float32}
+
+
+def _step_delta(rank: int, model_dir: str, out: str, world: int = 2) -> None:
+    cfg = run_config(out)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, lora=LORA))
+    tr = trainer(model_dir, cfg, CPU, ScriptedBatcher(samples(), rank, world))
+    _trained_looking(_adapters(tr.policy))
+    before = {k: v.clone() for k, v in full_state_dict(tr.policy).items()}
+    record = tr.step(0)
+    after = full_state_dict(tr.policy)
+    if rank == 0:
+        delta = {k: before[k] - after[k] for k in before}
+        torch.save({"delta": delta, "record": record}, Path(out) / "step.pt")
+
+
+def test_two_rank_lora_step_is_the_whole_batch_gradient_with_the_base_as_reference(
+    model_dir, tmp_path
+):
+    """Two FSDP2 ranks, SGD at lr 1: the adapters move by exactly minus the gradient of
+    the whole batch's loss, whose KL reference is the base model (adapters off), computed
+    by PEFT on transformers' own model in one process."""
+    run_two_ranks(_step_delta, model_dir, str(tmp_path))
+    saved = torch.load(tmp_path / "step.pt")
+
+    model = _reference(model_dir, seed=0)
+    batch = pack(samples())
+    with torch.no_grad(), lora.adapters_off(model):
+        ref, _ = batch_logprobs(model, batch, LOSS.temperature, 1024, False)
+    batch.ref_logprobs = ref.masked_fill(~batch.loss_mask, 0.0)
+    tokens, count = loss_counts(batch, LOSS.mask_truncated)
+    logp, ent = batch_logprobs(model, batch, LOSS.temperature, 1024, True)
+    loss, m = build_loss(LOSS, 64)(logp, batch, tokens, count, ent, 1)
+    loss.backward()
+    assert m["kl_sum"] > 0  # the adapters moved the policy off the base
+    grads = {adapter_file_name(n): p.grad for n, p in _adapters(model)}
+    assert set(grads) == set(saved["delta"])  # the adapters alone are in the state
+    for name, g in grads.items():
+        scale = g.abs().max().item()
+        assert scale > 0, name
+        assert (saved["delta"][name] - g).abs().max().item() <= 1e-4 * scale + 1e-7, name
+    assert saved["record"]["time/reference"] > 0
+    assert saved["record"]["kl"] > 0
+
+
+def test_a_push_sends_the_adapter_by_peft_names_or_the_merged_weights(model_dir):
+    """The adapter payload is PEFT's own saved state (names and values); the merged payload
+    is a full model that computes what the adapted policy computes."""
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from async_grpo.trainer.payloads import AdapterOnly, MergedAdapter
+
+    batch = pack(samples())
+    with one_rank_group("cpu:gloo"):
+        policy = build_policy(model_dir, TrainerConfig(compute_dtype="float32", lora=LORA), CPU, 1)
+        _trained_looking(_adapters(policy))
+        with torch.no_grad():
+            adapted, _ = policy(batch, False)
+        sent = {}
+        for payload in (AdapterOnly(policy), MergedAdapter(policy)):
+            out = {}
+            for name, shape, index, part in payload.wire:
+                n = payload.sources[index]
+                fulls = [p.detach() for _, p in payload.params[index : index + n]]
+                out[name] = payload.build(index, fulls)[part].clone()
+                assert tuple(out[name].shape) == shape
+            sent[payload.kind if payload.kind == "adapter" else "merged"] = out
+
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        lora.peft_config(LORA),
+    )
+    peft_model.load_state_dict(
+        {k.replace(".weight", ".default.weight"): v for k, v in sent["adapter"].items()},
+        strict=False,
+    )
+    expected = get_peft_model_state_dict(peft_model)
+    assert set(expected) == set(sent["adapter"])
+    for k, v in expected.items():
+        assert torch.equal(v, sent["adapter"][k]), k
+
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    merged.config.use_cache = False
+    missing = set(merged.state_dict()) - set(sent["merged"])
+    assert missing <= {"lm_head.weight"} or not merged.config.tie_word_embeddings
+    merged.load_state_dict(sent["merged"], strict=True)
+    with torch.no_grad():
+        got, _ = batch_logprobs(merged, batch, 1.0, 1024, False)
+    assert (got - adapted).abs().max().item() < 1e-5
