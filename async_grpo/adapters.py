@@ -65,6 +65,10 @@ def write_adapter(
     return folder
 
 
+def read_adapter_config(folder: str | Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+
+
 def read_adapter(folder: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """An adapter folder's tensors (by PEFT's saved names) and config."""
     from safetensors.torch import load_file

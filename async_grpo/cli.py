@@ -274,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     from async_grpo.evaluation.cli import add_eval_parser
 
     add_eval_parser(sub)
+    from async_grpo.export import add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 

@@ -22,7 +22,10 @@ from async_grpo.errors import UserError
 
 def add_eval_parser(sub: Any) -> None:
     p = sub.add_parser("eval", help="held-out pass@k of a model folder or a checkpoint")
-    p.add_argument("model", help="prepared name, HF folder, or checkpoints/step_N (its hf/)")
+    p.add_argument(
+        "model",
+        help="prepared name, HF folder, checkpoints/step_N (its hf/ or adapter/), or an adapter",
+    )
     p.add_argument("--data", required=True, help="prompt JSONL (the training format)")
     p.add_argument("--config", default=None, help="YAML config: generation, verifier, eval")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -37,11 +40,31 @@ def add_eval_parser(sub: Any) -> None:
     p.set_defaults(func=run_eval)
 
 
+def eval_adapter(name: str) -> Path | None:
+    """The LoRA adapter to evaluate: a LoRA checkpoint's adapter/, or an adapter folder."""
+    from async_grpo.adapters import is_adapter_dir
+
+    path = Path(name)
+    for folder in (path / "adapter", path):
+        if is_adapter_dir(folder):
+            return folder
+    return None
+
+
 def eval_model_dir(name: str) -> Path:
-    """A checkpoint folder (its hf/), a Hugging Face folder, or a prepared model's name."""
+    """A checkpoint folder (its hf/), a Hugging Face folder, or a prepared model's name; for
+    an adapter, the base model its config names."""
     from async_grpo.models import resolve_model
 
     path = Path(name)
+    adapter = eval_adapter(name)
+    if adapter is not None:
+        from async_grpo.adapters import read_adapter_config
+
+        base = Path(read_adapter_config(adapter).get("base_model_name_or_path") or "")
+        if not (base / "config.json").is_file():
+            raise UserError(f"{name}: the adapter's base model {str(base) or '?'} is not found")
+        return base
     if (path / "hf" / "config.json").is_file():
         return path / "hf"
     if (path / "config.json").is_file():
@@ -96,7 +119,7 @@ def run_eval(args: argparse.Namespace) -> int:
     try:
         connect(args.address or head.address, log_to_driver=False)
         print(f"evaluating {model_dir} on {len(prompts)} prompts of {e.data}", flush=True)
-        gen, ver = _start_workers(cfg, str(model_dir), actors)
+        gen, ver = _start_workers(cfg, str(model_dir), actors, eval_adapter(args.model))
         evaluator = Evaluator(
             e, cfg.generation.max_new_tokens, prompts, {"generation": gen, "verifier": ver}
         )
@@ -126,8 +149,11 @@ def run_eval(args: argparse.Namespace) -> int:
     return 1 if result.metrics.get("eval/questions", 0) == 0 else 0
 
 
-def _start_workers(cfg: Any, model_dir: str, actors: list[Any]) -> tuple[Any, Any]:
-    """One generation and one verifier actor, private to this command (not registered)."""
+def _start_workers(
+    cfg: Any, model_dir: str, actors: list[Any], adapter: Path | None = None
+) -> tuple[Any, Any]:
+    """One generation and one verifier actor, private to this command (not registered);
+    the generation worker serves `adapter` on its base when one is given."""
     import ray
 
     from async_grpo.evaluation.runner import DirectClient
@@ -141,13 +167,22 @@ def _start_workers(cfg: Any, model_dir: str, actors: list[Any]) -> tuple[Any, An
         max_concurrency=1000,
         runtime_env={"env_vars": vllm_env(g, cfg.trainer.device)},
     )
-    worker = gen.remote(model_dir, g, f"eval-gen-{uuid.uuid4().hex[:6]}", cfg.trainer.device)
+    serving = None
+    if adapter is not None:
+        from async_grpo.adapters import read_adapter_config
+        from async_grpo.inference.types import AdapterServing
+
+        serving = AdapterServing(int(read_adapter_config(adapter)["r"]), 2)
+    wid = f"eval-gen-{uuid.uuid4().hex[:6]}"
+    worker = gen.remote(model_dir, g, wid, cfg.trainer.device, serving)
     actors.append(worker)
     verifier = (
         ray.remote(VerifierWorker).options(num_cpus=0, max_concurrency=64).remote(cfg.verifier)
     )
     actors.append(verifier)
     ray.get([worker.start.remote(False), verifier.stats.remote()], timeout=900)
+    if adapter is not None:
+        ray.get(worker.load_weights_dir.remote(str(adapter), 0), timeout=300)
     return DirectClient([worker]), DirectClient([verifier])
 
 

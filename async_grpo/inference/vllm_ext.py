@@ -215,9 +215,14 @@ def _own_pending(flat: torch.Tensor) -> None:
 
 def register() -> None:
     """Make backend "async_grpo" known to vLLM in this process (idempotent); with
-    `generation.cpu_linear: torch`, keep oneDNN from repacking the linear layers."""
+    `generation.cpu_linear: torch`, keep oneDNN from repacking the linear layers; on CPU,
+    LoRA's matmuls one per adapter (cpu_lora.py)."""
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, AsyncGrpoTransferEngine)
+    if torch.accelerator.current_accelerator() is None:
+        from async_grpo.inference import cpu_lora
+
+        cpu_lora.install()
     if PLAIN_LINEAR:
         import vllm._custom_ops as ops
 

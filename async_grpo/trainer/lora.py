@@ -95,19 +95,22 @@ def init_adapters(named: list[tuple[str, Tensor]], seed: int, copy_rows: Any) ->
 
 @contextlib.contextmanager
 def adapters_off(hf: nn.Module) -> Iterator[None]:
-    """The base model alone inside the block (PEFT's own switch on every LoRA layer)."""
+    """The base model alone inside the block: every LoRA layer skips its adapter.
+
+    PEFT's own switch (`enable_adapters(False)`) also sets the factors' `requires_grad`
+    off and on again, and FSDP2 fixes each unit's gradient dtypes from the parameters
+    that require grad at its first forward: a first forward with the adapters off left
+    bf16 gradients on fp32 factors. So the layers' flag that switch sets is set alone."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in hf.modules() if isinstance(m, BaseTunerLayer)]
     for m in layers:
-        m.enable_adapters(False)
+        m._disable_adapters = True
     try:
         yield
     finally:
         for m in layers:
-            m.enable_adapters(True)
-        for name, p in hf.named_parameters():  # PEFT's switch sets them; keep ours exact
-            p.requires_grad_(is_adapter(name))
+            m._disable_adapters = False
 
 
 def adapter_config_dict(config: Any) -> dict[str, Any]:

@@ -27,9 +27,13 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, smollm2_dir):
+    """The tiny Llama, with SmolLM2's tokenizer (a checkpoint saves the tokenizer too)."""
+    from transformers import AutoTokenizer
+
     path = tmp_path_factory.mktemp("tiny")
     tiny_llama(seed=4).save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
     return str(path)
 
 
@@ -170,3 +174,96 @@ def test_a_push_sends_the_adapter_by_peft_names_or_the_merged_weights(model_dir)
     with torch.no_grad():
         got, _ = batch_logprobs(merged, batch, 1.0, 1024, False)
     assert (got - adapted).abs().max().item() < 1e-5
+
+
+def _policy_and_adam(model_dir: str, out: str):
+    from async_grpo.trainer.model import build_optimizer
+
+    cfg = replace(run_config(out), trainer=replace(run_config(out).trainer, lora=LORA))
+    policy = build_policy(model_dir, cfg.trainer, CPU, 1)
+    opt, sched = build_optimizer(policy, cfg.trainer)
+    return cfg, policy, opt, sched
+
+
+def _adam_step(cfg, policy, opt, sched, seed: int) -> None:
+    from async_grpo.trainer.loop import Trainer
+
+    tr = Trainer(cfg, policy, opt, sched, ScriptedBatcher(samples(seed), 0, 1), "", CPU)
+    tr.step(0)
+
+
+def test_an_adapter_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_dir, tmp_path):
+    """Save after one Adam step, load into a freshly built policy: the adapters and Adam's
+    moments are restored exactly, so the next step gives the same adapters as in the run
+    that never stopped; the checkpoint holds no base weight, and PEFT loads its adapter
+    folder onto the base model as the policy it came from; `async-grpo export` merges it
+    into a model transformers loads that computes the same."""
+    from peft import PeftModel
+
+    from async_grpo.export import export_merged
+    from async_grpo.trainer import checkpoint
+
+    batch = pack(samples())
+    with one_rank_group("cpu:gloo"):
+        cfg, policy, opt, sched = _policy_and_adam(model_dir, str(tmp_path))
+        _adam_step(cfg, policy, opt, sched, seed=5)
+        path = checkpoint.save(
+            str(tmp_path), 1, policy, opt, sched, full_state_dict(policy), model_dir, 0
+        )
+        with torch.no_grad():
+            saved_logp, _ = policy(batch, False)
+        _adam_step(cfg, policy, opt, sched, seed=6)
+        uninterrupted = {k: v.clone() for k, v in full_state_dict(policy).items()}
+
+        cfg, fresh, opt2, sched2 = _policy_and_adam(model_dir, str(tmp_path))
+        checkpoint.load(path, fresh, opt2, sched2)
+        _adam_step(cfg, fresh, opt2, sched2, seed=6)
+        resumed = full_state_dict(fresh)
+    assert set(resumed) == set(uninterrupted)
+    for k, v in uninterrupted.items():
+        assert torch.equal(resumed[k], v), k
+
+    assert checkpoint.weights_dir(path) == path / "adapter" and not (path / "hf").exists()
+    dcp_bytes = sum(f.stat().st_size for f in (path / "dcp").iterdir())
+    base_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    assert dcp_bytes < base_bytes / 10  # adapters and their moments, no base weight
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, path / "adapter")
+    with torch.no_grad():
+        got, _ = batch_logprobs(peft_model.base_model.model, batch, LOSS.temperature, 1024, False)
+    assert (got - saved_logp).abs().max().item() < 1e-5
+
+    out = export_merged(path, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        got, _ = batch_logprobs(merged, batch, LOSS.temperature, 1024, False)
+    assert (got - saved_logp).abs().max().item() < 1e-5
+    assert (out / "config.json").is_file() and not (tmp_path / "merged.tmp").exists()
+
+
+def test_a_bf16_step_with_the_base_as_reference_first(model_dir, tmp_path):
+    """bf16 compute, fp32 adapters, a KL term: the step's first forward is the base's (the
+    adapters off). The adapters' gradients still reach them in fp32 and the step runs
+    (PEFT's own adapter switch made FSDP2 fix bf16 gradients for them: the step raised)."""
+    cfg = run_config(str(tmp_path))
+    cfg = replace(cfg, trainer=replace(cfg.trainer, lora=LORA, compute_dtype="bfloat16"))
+    with one_rank_group("cpu:gloo"):
+        tr = trainer(model_dir, cfg, CPU, ScriptedBatcher(samples(), 0, 1))
+        _trained_looking(_adapters(tr.policy))
+        before = {k: v.clone() for k, v in full_state_dict(tr.policy).items()}
+        record = tr.step(0)
+        after = full_state_dict(tr.policy)
+    assert record["kl"] > 0 and record["grad_norm"] > 0
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_export_refuses_what_it_cannot_merge(model_dir, tmp_path):
+    """One line naming what is wrong, before anything is written."""
+    from async_grpo.errors import UserError
+    from async_grpo.export import export_merged
+
+    with pytest.raises(UserError, match="holds no adapter"):
+        export_merged(Path(model_dir), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
