@@ -289,6 +289,14 @@ class GenerationWorker(RegisteredWorker):
         await self.report_version()
         await self._retire_adapters()
 
+    def adapter_status(self) -> dict[str, list[Any]]:
+        """The adapter versions in service and the pushed versions' folders on disk."""
+        if self.lora is None:
+            return {"served": [], "folders": []}
+        root = self.lora.root
+        folders = sorted(f.name for f in root.iterdir()) if root.is_dir() else []
+        return {"served": sorted(self.lora.served), "folders": folders}
+
     async def _retire_adapters(self) -> None:
         """Unload the versions no request uses any more (not the newest)."""
         for served in self.lora.retired():
