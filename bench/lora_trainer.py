@@ -47,7 +47,11 @@ def _run(model_dir: str, rank: int, kl: float, args: argparse.Namespace) -> dict
     from async_grpo.trainer.model import build_optimizer, build_policy
 
     t = TrainerConfig(
-        lr=1e-5, max_steps=100, push_every=1000, loss=LossConfig(kl_coef=kl), lora=LoraConfig(rank=rank)
+        lr=1e-5,
+        max_steps=100,
+        push_every=1000,
+        loss=LossConfig(kl_coef=kl),
+        lora=LoraConfig(rank=rank),
     )
     cfg = replace(RunConfig(), trainer=t)
     cpu = torch.device("cpu")
@@ -103,7 +107,11 @@ def main() -> None:
 
     print(f"cpu: {cpu_kind()}; {args.minibatches} rows of {args.tokens} tokens a step")
     ctx = mp.get_context("spawn")  # one process per setting: peak RSS is its own
-    for name, rank, kl in (("full", 0, 0.0), ("lora", args.rank, 0.0), ("lora+kl", args.rank, 0.01)):
+    for name, rank, kl in (
+        ("full", 0, 0.0),
+        ("lora", args.rank, 0.0),
+        ("lora+kl", args.rank, 0.01),
+    ):
         with ctx.Pool(1) as pool:
             r = pool.apply(_child, (name, rank, kl, args))
         print(
