@@ -69,6 +69,19 @@ def loop_command(model_dir: Path, out: Path, steps: int, *extra: str) -> list[st
     )
 
 
+def run_loop(model_dir: Path, out: Path, steps: int, *extra: str) -> list[dict]:
+    """`loop_command` run to its end (exit 0 asserted); its console kept in
+    out/console.txt; returns its metrics rows."""
+    import json
+    import subprocess
+
+    cmd = loop_command(model_dir, out, steps, *extra)
+    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    (out / "console.txt").write_text(r.stdout + r.stderr)
+    return [json.loads(line) for line in (out / "training_metrics.jsonl").read_text().splitlines()]
+
+
 # `loop_command` overrides for a run one step off-policy: 2 groups a step, one at a time in
 # the engine (its batch stays the same from run to run), drawn by a curriculum
 ASYNC = (

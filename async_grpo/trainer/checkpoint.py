@@ -43,6 +43,19 @@ def _options(policy: Any) -> Any:
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
+def _model_and_optim(policy: Any, opt: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The resumable state; under LoRA the adapters alone (a tied head comes back from
+    `get_state_dict` though frozen: it is the base's, so it is left out)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from async_grpo.trainer.lora import is_adapter
+
+    model_sd, optim_sd = get_state_dict(policy, opt, options=_options(policy))
+    if getattr(policy, "lora", None) is not None:
+        model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
+    return model_sd, optim_sd
+
+
 def save(
     output_dir: str,
     step: int,
@@ -58,10 +71,9 @@ def save(
     """Collective: every rank writes its shard; rank 0 writes the HF folder and the state
     (step, scheduler and the trainer's running `counters`)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = checkpoint_dir(output_dir, step)
-    model_sd, optim_sd = get_state_dict(policy, opt, options=_options(policy))
+    model_sd, optim_sd = _model_and_optim(policy, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     if rank == 0:
         from transformers import AutoTokenizer
@@ -110,10 +122,10 @@ def load(path: Path, policy: Any, opt: Any, sched: Any) -> dict[str, Any]:
     """Restore model, optimizer and scheduler in place (collective); returns the saved
     state (`step` and the counters)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     options = _options(policy)
-    model_sd, optim_sd = get_state_dict(policy, opt, options=options)
+    model_sd, optim_sd = _model_and_optim(policy, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(

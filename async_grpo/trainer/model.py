@@ -307,8 +307,12 @@ def full_state_dict(policy: Policy) -> dict[str, Tensor]:
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=policy.lora is not None
     )
     sd = get_model_state_dict(policy, options=options)
-    if policy.lora is not None:
-        return {adapter_file_name(k.removeprefix(PREFIX)): v for k, v in sd.items()}
+    if policy.lora is not None:  # a tied head comes back even though frozen: drop it
+        return {
+            adapter_file_name(k.removeprefix(PREFIX)): v
+            for k, v in sd.items()
+            if lora_module.is_adapter(k)
+        }
     return {k.removeprefix(PREFIX): v for k, v in sd.items()}
 
 

@@ -11,17 +11,13 @@ import json
 import subprocess
 
 import pytest
-from _cli import ASYNC, loop_command, plugin_env, run_command
+from _cli import ASYNC, run_command, run_loop
 
 pytestmark = pytest.mark.integration
 
 
 def _run(tiny_model_dir, out, steps, *extra):
-    cmd = loop_command(tiny_model_dir, out, steps, *extra)
-    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    (out / "console.txt").write_text(r.stdout + r.stderr)
-    return [json.loads(line) for line in (out / "training_metrics.jsonl").read_text().splitlines()]
+    return run_loop(tiny_model_dir, out, steps, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -267,3 +267,23 @@ def test_export_refuses_what_it_cannot_merge(model_dir, tmp_path):
     with pytest.raises(UserError, match="holds no adapter"):
         export_merged(Path(model_dir), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_head_stays_out_of_the_adapter_state(tmp_path, smollm2_dir):
+    """A tied LM head is the frozen embedding: it is neither saved, nor in an adapter
+    folder (vLLM refuses an adapter holding `lm_head.weight`)."""
+    from transformers import AutoTokenizer
+
+    from async_grpo.trainer.checkpoint import _model_and_optim
+    from async_grpo.trainer.model import build_optimizer
+
+    tiny_llama(seed=2, tie_word_embeddings=True).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(tmp_path)
+    cfg = TrainerConfig(compute_dtype="float32", lora=LORA)
+    with one_rank_group("cpu:gloo"):
+        policy = build_policy(str(tmp_path), cfg, CPU, 1)
+        opt, _ = build_optimizer(policy, cfg)
+        state = full_state_dict(policy)
+        model_sd, _ = _model_and_optim(policy, opt)
+    assert state and all(".lora_" in k for k in state), sorted(state)[:3]
+    assert model_sd and all(lora.is_adapter(k) for k in model_sd), sorted(model_sd)[:3]

@@ -1,0 +1,81 @@
+"""A LoRA run as a user runs it: `async-grpo run` with `trainer.lora` (2 gloo ranks, KL to
+the base, an evaluation in the run), then an exact resume from its step-2 checkpoint, then
+`async-grpo eval` on that adapter checkpoint."""
+
+import json
+import subprocess
+
+import pytest
+from _cli import CLI, REPO, plugin_env, run_loop
+
+pytestmark = pytest.mark.integration
+
+HELD_OUT = REPO / "sample-data" / "arithmetic-heldout.jsonl"
+LORA = (
+    "trainer.lora.rank=8",
+    "trainer.lora.alpha=16",
+    "trainer.lr=1e-2",
+    "trainer.save_every=2",
+    f"eval.data={HELD_OUT}",
+    "eval.every=2",
+    "eval.at_start=false",
+    "eval.max_questions=4",
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("lora")
+    full = run_loop(tiny_model_dir, base / "full", 3, *LORA)
+    step2 = base / "full" / "checkpoints" / "step_2"
+    resumed = run_loop(tiny_model_dir, base / "resumed", 3, *LORA, "--resume", str(step2))
+    steps = [m for m in full if "grad_norm" in m]  # the others are the evaluation's rows
+    return steps, [m for m in resumed if "grad_norm" in m], base, full
+
+
+def test_a_lora_run_trains_the_adapters_against_the_base(runs, tiny_model_dir):
+    """Every step trains and pushes the adapter alone (a few kB, not the model's MBs); the
+    KL to the base is 0 while the adapters are still the identity and positive after; no
+    logprob pool is started (the trainer computes the base's log-probs itself); the
+    workers serve every pushed version (the last too: the evaluation wants it); the
+    evaluation ran on the adapter of version 2."""
+    full, _, base, rows = runs
+    assert [m["step"] for m in full] == [1, 2, 3]
+    assert all(m["grad_norm"] > 0 and m["time/reference"] > 0 for m in full)
+    assert full[0]["kl"] == pytest.approx(0.0, abs=1e-6) and full[2]["kl"] > 0
+    model_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    pushed = [m["weight_push_bytes"] for m in full if "weight_push_bytes" in m]
+    assert pushed and all(0 < b < model_bytes / 20 for b in pushed)
+    assert [m.get("worker_version/min") for m in full] == [1.0, 2.0, 3.0]  # 3: evaluated
+    assert all(m.get("worker_weight_load_failures", 0) == 0 for m in full)
+    assert [m["eval/questions"] for m in rows if "eval/questions" in m] == [4]
+    logs = sorted(p.name.split("-")[0] for p in (base / "full" / "logs").glob("*.log"))
+    assert logs == ["batcher.log", "gen", "verify"], logs
+    ckpt = base / "full" / "checkpoints" / "step_2"
+    assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "hf").exists()
+    config = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["base_model_name_or_path"] == str(tiny_model_dir)
+
+
+def test_a_lora_run_resumes_exactly(runs):
+    """Step 3 again from the step-2 adapter checkpoint: the same samples, loss and KL."""
+    full, resumed, *_ = runs
+    assert [m["step"] for m in resumed] == [3]
+    assert resumed[0]["reward/mean"] == pytest.approx(full[2]["reward/mean"], abs=1e-6)
+    assert resumed[0]["loss"] == pytest.approx(full[2]["loss"], rel=1e-4, abs=1e-7)
+    assert resumed[0]["kl"] == pytest.approx(full[2]["kl"], rel=1e-3, abs=1e-9)
+
+
+def test_eval_command_on_an_adapter_checkpoint(runs, tmp_path):
+    """`async-grpo eval` on a LoRA checkpoint serves its adapter on the base it names."""
+    base = runs[2]
+    out = tmp_path / "eval"
+    cmd = [
+        *CLI, "eval", str(base / "full" / "checkpoints" / "step_2"), "--data", str(HELD_OUT),
+        "-o", str(out), "--max-questions", "3",
+        "--set", "verifier.rewards=[rewards_for_tests:vowel_share]",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    summary = json.loads((out / "eval_summary.json").read_text())
+    assert summary["metrics"]["eval/questions"] == 3
