@@ -140,9 +140,8 @@ class LoraConfig:
 
     rank: int = 0  # r; 0: off (full fine-tuning)
     alpha: float = 32.0  # the update is (alpha / rank) * B @ A
-    dropout: float = 0.0
-    # module name suffixes (q_proj, ...), or ["all-linear"]: every linear layer but the head
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    dropout: float = 0.0  # on the adapters' input (PEFT's lora_dropout)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # or [q_proj, v_proj]
     push: Literal["adapter", "merged"] = "adapter"  # merged: full weights, W + (alpha/r) B A
 
 

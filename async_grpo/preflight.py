@@ -23,6 +23,25 @@ def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None
         for name in cfg.verifier.rewards:
             get_reward(name)
     check_model(Path(model_dir))
+    if cfg.trainer.lora.rank:
+        check_lora_targets(cfg, Path(model_dir))
+
+
+def check_lora_targets(cfg: RunConfig, model_dir: Path) -> None:
+    """`trainer.lora.target_modules` names layers of this model: PEFT places its adapters
+    on the model built on the meta device (no weight is read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from async_grpo.trainer.lora import inject
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        try:
+            inject(hf, cfg.trainer.lora)
+        except ValueError as e:
+            first = str(e).strip().splitlines()[0]
+            raise UserError(f"{first} (model {model_dir})") from None
 
 
 def check_model(model_dir: Path) -> None:

@@ -108,3 +108,22 @@ def test_the_registry_read_from_source_is_vllms_own():
     read = vllm_architectures()
     assert {"LlamaForCausalLM", "Gemma2ForCausalLM", "Qwen3MoeForCausalLM"} <= read
     assert read == imported_vllm_architectures()
+
+
+def test_lora_targets_the_model_does_not_have(tmp_path):
+    r = _run(tmp_path, "trainer.lora.rank=8", "trainer.lora.target_modules=[no_such_proj]")
+    _refused(r, "trainer.lora.target_modules", "no_such_proj")
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.lora.rank=600", ("trainer.lora.rank", "1..512")),
+        ("trainer.lora.alpha=0", ("trainer.lora.alpha", "> 0")),
+        ("trainer.lora.dropout=1.0", ("trainer.lora.dropout", "[0, 1)")),
+        ("trainer.lora.push=both", ("trainer.lora.push", "adapter")),
+    ],
+)
+def test_lora_settings_out_of_range(tmp_path, override, words):
+    rank = [] if "rank=" in override else ["trainer.lora.rank=8"]
+    _refused(_run(tmp_path, *rank, override), *words)
