@@ -1,4 +1,4 @@
-"""LoRA adapters as files: PEFT's folder format, its tensor names, and merging.
+"""LoRA adapters: PEFT's layers on a model, its folder format and tensor names, merging.
 
 An adapter folder holds `adapter_model.safetensors` (tensors by PEFT's saved names,
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) and
@@ -15,12 +15,48 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
+
+from async_grpo.config import LoraConfig
 
 ADAPTER_NAME = "default"  # PEFT's name for the one adapter we train
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
+
+
+def peft_config(cfg: LoraConfig) -> Any:
+    """PEFT's LoraConfig for `cfg` (`all-linear`: every linear layer but the LM head)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = cfg.target_modules
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        bias="none",
+    )
+
+
+def inject(hf: nn.Module, cfg: LoraConfig) -> Any:
+    """Add the adapters to `hf` in place (on any device, meta included); every other
+    parameter is frozen. Returns PEFT's config with the target modules resolved."""
+    from peft import inject_adapter_in_model
+
+    config = peft_config(cfg)
+    try:
+        inject_adapter_in_model(config, hf, adapter_name=ADAPTER_NAME)
+    except ValueError as e:  # no module matches the targets
+        raise ValueError(f"trainer.lora.target_modules: {e}") from None
+    for name, p in hf.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return config
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is one of the trained factors."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def is_adapter_dir(folder: str | Path) -> bool:

@@ -33,7 +33,7 @@ def check_lora_targets(cfg: RunConfig, model_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from async_grpo.trainer.lora import inject
+    from async_grpo.adapters import inject
 
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

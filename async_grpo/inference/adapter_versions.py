@@ -36,9 +36,14 @@ class AdapterVersions:
         return self.root / f"v{version}"
 
     def add(self, version: int, folder: Path, owned: bool) -> Any:
-        """Serve `folder` as `version` for new requests; returns its LoRARequest."""
+        """Serve `folder` as `version` for new requests; returns its LoRARequest. A version
+        already in service (a catch-up push resends the version the others serve) keeps its
+        request and its users: the same weights under the same name."""
         from vllm.lora.request import LoRARequest
 
+        if version in self.served and self.served[version].folder == folder:
+            self.newest = version
+            return self.served[version].request
         request = LoRARequest(f"v{version}", version + 1, str(folder))  # ids start at 1
         self.served[version] = Served(request, folder, owned)
         self.newest = version

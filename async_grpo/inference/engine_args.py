@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.config import GenerationConfig
-from async_grpo.inference.types import CPU_LINEAR_ENV, AdapterServing
+from async_grpo.inference.types import CPU_LINEAR_ENV, VLLM_LORA_OPS_ENV, AdapterServing
 
 
 def vllm_env(cfg: GenerationConfig, device: str) -> dict[str, str]:
     """Environment for an engine process (set through the actor's runtime_env)."""
     env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(Path.home() / ".cache/vllm"))}
+    if os.environ.get(VLLM_LORA_OPS_ENV):
+        env[VLLM_LORA_OPS_ENV] = os.environ[VLLM_LORA_OPS_ENV]
     if device == "cpu":
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env |= {

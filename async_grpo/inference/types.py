@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 # tells a CPU engine's worker process `generation.cpu_linear` (read by vllm_ext at import)
 CPU_LINEAR_ENV = "ASYNC_GRPO_CPU_LINEAR"
+# set (to anything): a CPU engine keeps vLLM's own LoRA ops (bench/lora_serving.py compares)
+VLLM_LORA_OPS_ENV = "ASYNC_GRPO_VLLM_LORA_OPS"
 
 
 class RequestError(Exception):

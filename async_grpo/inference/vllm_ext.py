@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from async_grpo.inference.owner import exit_with_owner
-from async_grpo.inference.types import CPU_LINEAR_ENV
+from async_grpo.inference.types import CPU_LINEAR_ENV, VLLM_LORA_OPS_ENV
 from async_grpo.transports.base import TensorMeta, unpack
 from async_grpo.transports.select import open_receiver
 
@@ -219,7 +219,7 @@ def register() -> None:
     LoRA's matmuls one per adapter (cpu_lora.py)."""
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, AsyncGrpoTransferEngine)
-    if torch.accelerator.current_accelerator() is None:
+    if torch.accelerator.current_accelerator() is None and not os.environ.get(VLLM_LORA_OPS_ENV):
         from async_grpo.inference import cpu_lora
 
         cpu_lora.install()

@@ -48,7 +48,7 @@ def _model_and_optim(policy: Any, opt: Any) -> tuple[dict[str, Any], dict[str, A
     `get_state_dict` though frozen: it is the base's, so it is left out)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from async_grpo.trainer.lora import is_adapter
+    from async_grpo.adapters import is_adapter
 
     model_sd, optim_sd = get_state_dict(policy, opt, options=_options(policy))
     if getattr(policy, "lora", None) is not None:

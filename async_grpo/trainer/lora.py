@@ -26,42 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from async_grpo.adapters import ADAPTER_NAME
 from async_grpo.config import LoraConfig
-
-
-def peft_config(cfg: LoraConfig) -> Any:
-    """PEFT's LoraConfig for `cfg` (`all-linear`: every linear layer but the LM head)."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    targets = cfg.target_modules
-    return PeftLoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-        bias="none",
-    )
-
-
-def inject(hf: nn.Module, cfg: LoraConfig) -> Any:
-    """Add the adapters to `hf` in place (on any device, meta included); every other
-    parameter is frozen. Returns PEFT's config with the target modules resolved."""
-    from peft import inject_adapter_in_model
-
-    config = peft_config(cfg)
-    try:
-        inject_adapter_in_model(config, hf, adapter_name=ADAPTER_NAME)
-    except ValueError as e:  # no module matches the targets
-        raise ValueError(f"trainer.lora.target_modules: {e}") from None
-    for name, p in hf.named_parameters():
-        p.requires_grad_(is_adapter(name))
-    return config
-
-
-def is_adapter(name: str) -> bool:
-    """Whether parameter `name` is one of the trained factors."""
-    return ".lora_A." in name or ".lora_B." in name
 
 
 def stored_name(name: str) -> str:

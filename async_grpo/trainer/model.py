@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from async_grpo import adapters
 from async_grpo.adapters import adapter_file_name
 from async_grpo.config import TrainerConfig
 from async_grpo.core.attention import AttentionBackend, DenseAttention
@@ -153,12 +154,12 @@ def build_policy(
         hf = AutoModelForCausalLM.from_config(
             config, dtype=held, attn_implementation=attention.implementation(config)
         )
-        adapter_config = lora_module.inject(hf, lora) if lora else None
+        adapter_config = adapters.inject(hf, lora) if lora else None
     policy = Policy(hf, cfg.loss.temperature, cfg.logprob_chunk_size, attention)
     policy.precision = precision
     if lora:
         for name, p in hf.named_parameters():
-            if lora_module.is_adapter(name):
+            if adapters.is_adapter(name):
                 p.data = p.data.to(getattr(torch, cfg.dtype))
         policy.lora = lora
         policy.adapter_config = lora_module.adapter_config_dict(adapter_config)
@@ -181,7 +182,7 @@ def build_policy(
     policy.to_empty(device=device)
     load_shards(policy, Path(model_dir))
     if lora:
-        named = [(n, p) for n, p in policy.named_parameters() if lora_module.is_adapter(n)]
+        named = [(n, p) for n, p in policy.named_parameters() if adapters.is_adapter(n)]
         lora_module.init_adapters(named, seed, _copy_rows)
     return policy
 
@@ -212,7 +213,7 @@ def load_shards(policy: Policy, model_dir: Path) -> None:
     params = {
         lora_module.stored_name(n): p
         for n, p in policy.named_parameters()
-        if not lora_module.is_adapter(n)
+        if not adapters.is_adapter(n)
     }
     absent = [n for n in params if n.removeprefix(PREFIX) not in files]
     converted = {
@@ -311,7 +312,7 @@ def full_state_dict(policy: Policy) -> dict[str, Tensor]:
         return {
             adapter_file_name(k.removeprefix(PREFIX)): v
             for k, v in sd.items()
-            if lora_module.is_adapter(k)
+            if adapters.is_adapter(k)
         }
     return {k.removeprefix(PREFIX): v for k, v in sd.items()}
 

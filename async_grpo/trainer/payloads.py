@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from async_grpo import adapters
 from async_grpo.adapters import ADAPTER_NAME, adapter_file_name, merged
 from async_grpo.trainer import lora as lora_module
 from async_grpo.trainer.weight_names import file_layout
@@ -90,7 +91,7 @@ class AdapterOnly(Payload):
     def __init__(self, policy: nn.Module) -> None:
         super().__init__(policy.hf)
         for name, p in _named(policy):
-            if lora_module.is_adapter(name):
+            if adapters.is_adapter(name):
                 wire = adapter_file_name(name)
                 self._add([(name, p)], [(wire, tuple(p.shape), None)])
 
@@ -104,7 +105,7 @@ class MergedAdapter(Payload):
         self.factor = lora_module.scale(policy.lora)
         named = dict(_named(policy))
         for name, p in _named(policy):
-            if lora_module.is_adapter(name):
+            if adapters.is_adapter(name):
                 continue
             if ".base_layer." not in name:
                 self._add_stored(lora_module.stored_name(name), p)

@@ -35,12 +35,13 @@ class _Policy(torch.nn.Module):
     LoRA settings and PEFT's resolved adapter config."""
 
     def __init__(self, hf: torch.nn.Module) -> None:
+        from async_grpo import adapters
         from async_grpo.trainer import lora
 
         super().__init__()
         self.hf = hf
         self.lora = LORA
-        self.adapter_config = lora.adapter_config_dict(lora.inject(hf, LORA))
+        self.adapter_config = lora.adapter_config_dict(adapters.inject(hf, LORA))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from _tiny import tiny_llama
 from _trainer import LOSS, ScriptedBatcher, run_config, samples, trainer
 from transformers import AutoModelForCausalLM
 
+from async_grpo import adapters
 from async_grpo.adapters import adapter_file_name
 from async_grpo.config import LoraConfig, TrainerConfig
 from async_grpo.core.logprobs import batch_logprobs
@@ -48,14 +49,14 @@ def _trained_looking(named: list[tuple[str, torch.Tensor]], seed: int = 3) -> No
 
 
 def _adapters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p) for n, p in module.named_parameters() if lora.is_adapter(n)]
+    return [(n, p) for n, p in module.named_parameters() if adapters.is_adapter(n)]
 
 
 def _reference(model_dir: str, seed: int) -> torch.nn.Module:
     """transformers' own model with PEFT's adapters holding the policy's starting values."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
-    lora.inject(model, LORA)
+    adapters.inject(model, LORA)
     lora.init_adapters(_adapters(model), seed, _copy_rows)
     _trained_looking(_adapters(model))
     return model
@@ -77,9 +78,9 @@ def test_a_lora_policy_starts_as_its_base_and_trains_only_the_adapters(model_dir
         opt, _ = build_optimizer(policy, cfg)
         trained = {n for n, p in policy.named_parameters() if p.requires_grad}
         adapters = {n for n, _ in _adapters(policy)}
-        held = {p.dtype for n, p in policy.named_parameters() if not lora.is_adapter(n)}
+        held = {p.dtype for n, p in policy.named_parameters() if not adapters.is_adapter(n)}
         bf16 = build_policy(model_dir, replace(cfg, compute_dtype="bfloat16"), CPU, 1)
-        bf16_held = {p.dtype for n, p in bf16.named_parameters() if not lora.is_adapter(n)}
+        bf16_held = {p.dtype for n, p in bf16.named_parameters() if not adapters.is_adapter(n)}
         bf16_adapters = {p.dtype for _, p in _adapters(bf16)}
     assert torch.equal(got, want)  # B starts at zero: the adapted model is the base
     assert trained == adapters and len(adapters) == 2 * 3 * 2  # A and B, 3 modules, 2 layers
@@ -155,7 +156,7 @@ def test_a_push_sends_the_adapter_by_peft_names_or_the_merged_weights(model_dir)
 
     peft_model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        lora.peft_config(LORA),
+        adapters.peft_config(LORA),
     )
     peft_model.load_state_dict(
         {k.replace(".weight", ".default.weight"): v for k, v in sent["adapter"].items()},
@@ -286,4 +287,4 @@ def test_a_tied_head_stays_out_of_the_adapter_state(tmp_path, smollm2_dir):
         state = full_state_dict(policy)
         model_sd, _ = _model_and_optim(policy, opt)
     assert state and all(".lora_" in k for k in state), sorted(state)[:3]
-    assert model_sd and all(lora.is_adapter(k) for k in model_sd), sorted(model_sd)[:3]
+    assert model_sd and all(adapters.is_adapter(k) for k in model_sd), sorted(model_sd)[:3]
