@@ -77,14 +77,14 @@ def test_a_lora_policy_starts_as_its_base_and_trains_only_the_adapters(model_dir
 
         opt, _ = build_optimizer(policy, cfg)
         trained = {n for n, p in policy.named_parameters() if p.requires_grad}
-        adapters = {n for n, _ in _adapters(policy)}
+        names = {n for n, _ in _adapters(policy)}
         held = {p.dtype for n, p in policy.named_parameters() if not adapters.is_adapter(n)}
         bf16 = build_policy(model_dir, replace(cfg, compute_dtype="bfloat16"), CPU, 1)
         bf16_held = {p.dtype for n, p in bf16.named_parameters() if not adapters.is_adapter(n)}
         bf16_adapters = {p.dtype for _, p in _adapters(bf16)}
     assert torch.equal(got, want)  # B starts at zero: the adapted model is the base
-    assert trained == adapters and len(adapters) == 2 * 3 * 2  # A and B, 3 modules, 2 layers
-    assert sum(len(g["params"]) for g in opt.param_groups) == len(adapters)
+    assert trained == names and len(names) == 2 * 3 * 2  # A and B, 3 modules, 2 layers
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(names)
     assert held == {torch.float32}
     assert bf16_held == {torch.bfloat16} and bf16_adapters == {torch.float32}
 
