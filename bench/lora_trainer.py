@@ -106,7 +106,15 @@ def main() -> None:
     from async_grpo.precision import cpu_kind
 
     print(f"cpu: {cpu_kind()}; {args.minibatches} rows of {args.tokens} tokens a step")
-    ctx = mp.get_context("spawn")  # one process per setting: peak RSS is its own
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        r = pool.apply(_logprob_worker_child, (args,))
+    print(
+        f"logprob worker: the same rows' reference log-probs in {r['seconds']:.2f} s a step"
+        f" ({r['dtype']}), its own model copy {r['model_mib']:.0f} MiB",
+        flush=True,
+    )
+    # one process per setting: peak RSS is its own
     for name, rank, kl in (
         ("full", 0, 0.0),
         ("lora", args.rank, 0.0),
@@ -120,6 +128,34 @@ def main() -> None:
             f" trained parameters {r['trained_params'] / 1e6:.2f} M, computes in {r['compute']}",
             flush=True,
         )
+
+
+def _logprob_worker_child(args: argparse.Namespace) -> dict:
+    """What a logprob worker does for the same rows: a no-grad forward of its own copy of
+    the model (transformers, the compute dtype `auto` picks here)."""
+    from transformers import AutoModelForCausalLM
+
+    from async_grpo.core.logprobs import batch_logprobs
+    from async_grpo.core.packing import pack
+    from async_grpo.models import resolve_model
+    from async_grpo.precision import resolve_dtype
+
+    torch.set_num_threads(args.threads)
+    dtype = resolve_dtype("auto", "cpu").torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=dtype)
+    model.config.use_cache = False
+    rows = _samples(args.minibatches, args.tokens)
+    per_row = len(rows) // args.minibatches
+    batches = [pack(rows[i * per_row : (i + 1) * per_row]) for i in range(args.minibatches)]
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for b in batches:
+                batch_logprobs(model, b, 1.0, 1024, False)
+        times.append(time.perf_counter() - t0)
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    return {"seconds": statistics.median(times[1:]), "dtype": str(dtype), "model_mib": size}
 
 
 def _child(name: str, rank: int, kl: float, args: argparse.Namespace) -> dict:
