@@ -34,6 +34,7 @@ LONGEST_FIRST = [
     "smollm2-engines",
     "test_training_loop.py",
     "test_pool_faults.py",
+    "test_lora_run.py",
     "test_signals.py",
     "test_trainer_crash.py",
     "test_eval_in_run.py",

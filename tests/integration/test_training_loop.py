@@ -171,15 +171,24 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "lora",
-    [(), ("trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=1e-2")],
-    ids=["full", "lora"],
+    [
+        (),
+        (
+            "trainer.lora.rank=8",
+            "trainer.lora.alpha=16",
+            "trainer.lr=1e-2",
+            "trainer.lora.push=merged",
+        ),
+    ],
+    ids=["full", "lora-merged"],
 )
 def test_a_multi_turn_run_trains_on_model_tokens_only(tiny_model_dir, tmp_path, lora):
     """`run` with an environment instead of verifiers (2 ranks, KL on): episodes of two turns
     with the environment's line between them. The sampler-vs-trainer mismatch, taken over
     the loss tokens, stays at fp32 noise: an environment token among them would add its
-    whole log-prob (the sampler's is 0 there). With LoRA every turn is generated with the
-    adapter pushed (an adapter not applied at step 2 would show in the mismatch)."""
+    whole log-prob (the sampler's is 0 there). With LoRA pushed merged (`W + (alpha/r) B A`
+    as full weights into engines without LoRA), step 2's turns come from the merged
+    weights: a wrong merge would show in the mismatch."""
     metrics = _run(
         tiny_model_dir,
         tmp_path / "env",
