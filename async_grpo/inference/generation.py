@@ -63,6 +63,7 @@ class GenerationWorker(RegisteredWorker):
         self.adapters = adapters  # LoRA serving (a run that pushes adapters), or None
         self.lora: AdapterVersions | None = None  # the adapter versions in service
         self.payload = "weights"  # what the trainer's pushes hold (init_weight_transfer)
+        self._adapter_folder = Path()  # where the adapter push under way is written
         self.engine: Any = None
         self._update_lock = asyncio.Lock()
         self._watchdog: asyncio.Task | None = None  # ends a push that stops arriving
@@ -148,7 +149,7 @@ class GenerationWorker(RegisteredWorker):
         )
         version = self.version
         # an adapter run: the request keeps its version's adapter to its last token
-        adapter, lora_request = self.lora.acquire() if self.lora else (None, None)
+        serial, adapter, lora_request = self.lora.acquire() if self.lora else (None,) * 3
         self.in_flight += n
         self.clock.enter()
         # a caller that gives up cancels this call (ray.cancel): the CancelledError raised
@@ -171,7 +172,7 @@ class GenerationWorker(RegisteredWorker):
             self.in_flight -= n
             self.clock.leave()
             if self.lora is not None:
-                self.lora.release(adapter)
+                self.lora.release(serial)
                 await self._retire_adapters()
         self.requests_served += 1
         if adapter is not None:  # the adapter's version, for every token
@@ -267,7 +268,8 @@ class GenerationWorker(RegisteredWorker):
         the chunks go to the new version's folder, served from `end_update` on."""
         await self._update_lock.acquire()
         try:
-            folder = str(self.lora.folder(version))
+            self._adapter_folder = self.lora.next_folder(version)
+            folder = str(self._adapter_folder)
             await self.engine.collective_rpc("async_grpo_adapter_target", args=(folder,))
             await self.engine.start_weight_update()
             self._next_chunk, self._attempt = 0, attempt
@@ -295,7 +297,7 @@ class GenerationWorker(RegisteredWorker):
             return {"served": [], "folders": []}
         root = self.lora.root
         folders = sorted(f.name for f in root.iterdir()) if root.is_dir() else []
-        return {"served": sorted(self.lora.served), "folders": folders}
+        return {"served": self.lora.versions(), "folders": folders}
 
     async def _retire_adapters(self) -> None:
         """Unload the versions no request uses any more (not the newest)."""
@@ -360,7 +362,7 @@ class GenerationWorker(RegisteredWorker):
         if self.payload == "adapter":
             try:
                 await self.engine.finish_weight_update()
-                await self._end_adapter(version, self.lora.folder(version), owned=True)
+                await self._end_adapter(version, self._adapter_folder, owned=True)
             finally:
                 self._update_lock.release()
             return {

@@ -154,7 +154,7 @@ def test_versions_are_served_side_by_side(engines, pusher, policy):
     assert err < 2e-3
     status = ray.get(adapted.adapter_status.remote())
     assert status["served"] == [3]
-    assert status["folders"] == ["v3"]
+    assert status["folders"] == ["v3-3"]  # version 3, the worker's third adapter
 
 
 def test_an_adapter_checkpoint_and_its_merged_export(
