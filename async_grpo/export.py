@@ -73,8 +73,11 @@ def export_merged(source: Path, out: Path, base: str | None = None, dtype: str =
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    from async_grpo.models import _DONE_MARKER  # a prepared model's own record, not ours
+
     for f in base_dir.iterdir():  # config, tokenizer, generation config
-        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+        weights = f.name.endswith((".safetensors", ".safetensors.index.json"))
+        if f.is_file() and not weights and f.name != _DONE_MARKER:
             shutil.copy2(f, tmp / f.name)
     save_file({k: v.contiguous() for k, v in merged.items()}, str(tmp / "model.safetensors"))
     tmp.rename(out)
