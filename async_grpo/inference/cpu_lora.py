@@ -36,6 +36,15 @@ def per_adapter(inputs: Tensor, weights: Tensor, indices: Tensor, dtype: torch.d
     return out
 
 
+def _store(dst: Tensor, values: Tensor, add: bool) -> None:
+    """Write `values` into the view `dst` (broadcast and cast as an assignment would), or
+    add them to it."""
+    if add:
+        dst += values
+    else:
+        dst.copy_(values)
+
+
 def bgmv_shrink(
     inputs: Tensor,
     lora_b_weights: Tensor,
@@ -59,10 +68,7 @@ def bgmv_expand(
     if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
         limit = 1
     common = min(outputs.shape[1], output_tensor.shape[1])  # padding may differ
-    if add_inputs:
-        output_tensor[:, :common] += outputs[:limit, :common]
-    else:
-        output_tensor[:, :common] = outputs[:limit, :common]
+    _store(output_tensor[:, :common], outputs[:limit, :common], add_inputs)
 
 
 def bgmv_expand_slice(
@@ -75,10 +81,7 @@ def bgmv_expand_slice(
     add_inputs: bool = True,
 ) -> None:
     outputs = per_adapter(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
-    if add_inputs:
-        output_tensor[:, slice_offset : slice_offset + slice_size] += outputs
-    else:
-        output_tensor[:, slice_offset : slice_offset + slice_size] = outputs
+    _store(output_tensor[:, slice_offset : slice_offset + slice_size], outputs, add_inputs)
 
 
 OPS = {

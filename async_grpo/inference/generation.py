@@ -365,16 +365,15 @@ class GenerationWorker(RegisteredWorker):
                 await self._end_adapter(version, self._adapter_folder, owned=True)
             finally:
                 self._update_lock.release()
-            return {
-                "version": self.version,
-                "prefix_reset_failures": self.prefix_reset_failures,
-                "weight_load_failures": self.weight_load_failures,
-            }
+            return self._update_result()
         try:
             await self.engine.finish_weight_update(weight_version=str(version))
             await self._after_update(version)
         finally:
             await self._resume()
+        return self._update_result()
+
+    def _update_result(self) -> dict[str, int]:
         return {
             "version": self.version,
             "prefix_reset_failures": self.prefix_reset_failures,
