@@ -115,19 +115,35 @@ class BatcherConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    """Off-policy correction: a detached weight exp(old - behaviour) on each token's policy
+    term, from the proximal policy's log-probs (`old`) and the sampler's, at token or
+    sequence level, truncated or masked outside a band (core/correction.py)."""
+
+    level: Literal["token", "sequence", "geometric"] = "token"  # geometric: per-token mean
+    mode: Literal["truncate", "mask", "off"] = "truncate"  # mask: 0 outside [floor, cap]; off: 1
+    cap: float | None = 2.0  # truncate: min(weight, cap); mask: upper edge; None: none
+    floor: float | None = None  # mask: lower edge (IcePop 0.5); None: none
+    negative_threshold: float | None = None  # A<0, mean log(sampler/trainer) above: 0; None: off
+
+
+@dataclass
 class LossConfig:
     """The GRPO loss family (async_grpo.core.loss)."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.28  # DAPO clip-higher
+    objective: Literal["ppo", "gspo", "cispo", "gmpo"] = "ppo"  # docs/loss.md
+    clip_low: float | None = None  # None: the objective's own (ppo 0.2, gspo 3e-4, gmpo 0.4)
+    clip_high: float | None = None  # None: the objective's own (ppo 0.28 DAPO, gspo 4e-4)
+    cispo_cap: float = 5.0  # cispo: the IS weight's cap, min(ratio, cap), detached
     dual_clip: float | None = 3.0  # bound on the ratio for negative advantages; None disables
     kl_coef: float = 0.0  # 0 disables the reference model entirely
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] = "token_mean"
+    # None: the objective's own (token_mean; seq_mean_token_mean for gspo and gmpo)
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] | None = None
     constant_normalizer: float | None = None  # Dr.GRPO divisor; defaults to max_new_tokens
     advantage_std_norm: bool = True  # False = Dr.GRPO advantages (r - mean)
-    tis_cap: float | None = 2.0  # truncated importance sampling cap; None disables
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     proximal: Literal["behaviour", "current"] = "behaviour"  # PPO ratio against (docs/loss.md)
     mask_truncated: bool = False  # drop samples cut at the length limit from the loss
     temperature: float = 1.0  # log-probs are computed at the sampling temperature

@@ -11,7 +11,7 @@ import importlib.util
 import math
 from typing import Any
 
-from async_grpo.config import ConfigError, RunConfig
+from async_grpo.config import ConfigError, CorrectionConfig, RunConfig
 
 
 def finite_numbers(node: Any, where: str = "") -> None:
@@ -173,19 +173,44 @@ def validate_devices(cfg: RunConfig) -> None:
 
 def validate_loss(cfg: RunConfig) -> None:
     g = cfg.generation
-    loss = cfg.trainer.loss
-    if not (0 <= loss.clip_low < 1) or loss.clip_high < 0:
+    from async_grpo.core.loss import resolved
+
+    loss = resolved(cfg.trainer.loss)
+    low_max = float("inf") if loss.objective == "gmpo" else 1.0  # gmpo's are log-space
+    if not (0 <= loss.clip_low < low_max) or loss.clip_high < 0:
         raise ConfigError(
             f"trainer.loss.clip_low/clip_high: bad bounds {loss.clip_low}/{loss.clip_high}"
+            f" for objective {loss.objective} (expected 0 <= clip_low < {low_max:g},"
+            " clip_high >= 0)"
         )
     if loss.dual_clip is not None and loss.dual_clip <= 1:
         raise ConfigError(f"trainer.loss.dual_clip: must be > 1, got {loss.dual_clip}")
-    if loss.tis_cap is not None and loss.tis_cap <= 0:
-        raise ConfigError(f"trainer.loss.tis_cap: must be > 0, got {loss.tis_cap}")
+    if loss.cispo_cap <= 0:
+        raise ConfigError(f"trainer.loss.cispo_cap: must be > 0, got {loss.cispo_cap}")
+    validate_correction(loss.correction)
     if loss.temperature != g.temperature:
         raise ConfigError(
             f"trainer.loss.temperature: {loss.temperature} differs from generation.temperature="
             f"{g.temperature}; the trainer's log-probs would not match the sampler's"
+        )
+
+
+def validate_correction(c: CorrectionConfig) -> None:
+    """The off-policy correction's band: positive edges, floor below cap, floor for mask."""
+    where = "trainer.loss.correction"
+    for name in ("cap", "floor"):
+        value = getattr(c, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{where}.{name}: must be > 0 or null, got {value}")
+    if c.floor is not None and c.mode != "mask":
+        raise ConfigError(f"{where}.floor: only a mask has a lower edge; set mode: mask")
+    if c.floor is not None and c.cap is not None and c.floor >= c.cap:
+        raise ConfigError(f"{where}: floor {c.floor} must be below cap {c.cap}")
+    if c.mode == "mask" and c.cap is None and c.floor is None:
+        raise ConfigError(f"{where}: mode mask needs a cap, a floor or both")
+    if c.negative_threshold is not None and c.negative_threshold < 0:
+        raise ConfigError(
+            f"{where}.negative_threshold: must be >= 0 or null, got {c.negative_threshold}"
         )
 
 

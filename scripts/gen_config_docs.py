@@ -100,7 +100,6 @@ DESCRIPTIONS: dict[str, str] = {
     "trainer.logprob_chunk_size": "positions per chunk of the LM head in the trainer's"
     " log-prob pass; bounds the [chunk, vocab] buffers",
     "trainer.threads": "torch threads per trainer rank",
-    "trainer.loss.clip_low": "lower PPO clip: the ratio is clamped at 1 - clip_low",
     "trainer.loss.kl_estimator": "KL estimator against the reference model ([loss.md](loss.md))",
     "trainer.loss.entropy_coef": "weight of the entropy bonus (0 = off)",
     "trainer.loss.aggregation": "how token terms are normalised over the step: DAPO, original"

@@ -6,20 +6,19 @@ GLOBAL counts of the optimizer step. Out: the loss scalar and summed metrics.
 Per loss token t of sample s, with old = old_logprobs if given, else the trainer's own
 log-probs before this step's update (detached) when `proximal="current"`, else the
 sampler's behaviour_logprobs:
-    ratio_t = exp(logp_t - old_t)
-    pg_t    = max(-A_s * ratio_t, -A_s * clamp(ratio_t, 1 - clip_low, 1 + clip_high))
-    pg_t    = min(pg_t, -dual_clip * A_s)                 if A_s < 0 (dual clip)
-    tis_t   = min(exp(old_t - behaviour_t), tis_cap)       detached; 1 if tis_cap is None
-    l_t     = tis_t * pg_t + kl_coef * k(logp_t, ref_t) - entropy_coef * H_t
+    pg_t    = the objective's policy term (core/objectives.py: ppo, gspo, cispo, gmpo)
+    corr_t  = the off-policy correction's weight from old vs behaviour, detached
+              (core/correction.py: token or sequence level, truncated or masked)
+    l_t     = corr_t * pg_t + kl_coef * k(logp_t, ref_t) - entropy_coef * H_t
 k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1.
 
 `proximal="current"` is decoupled PPO (the proximal policy is the trainer's at the start
 of the step). The trainer makes one optimizer update per step, so that policy is the
-weights every minibatch's forward already runs under: old_t = logp_t.detach(), the ratio is
-exactly 1 in value (its gradient is that of logp_t), and tis_t = min(exp(logp_t -
-behaviour_t), tis_cap) is what corrects for the samples' staleness and for the engine's
-numerics, at no extra forward. With "behaviour" (old = behaviour) tis_t is 1 and the clip
-acts against the sampler's policy instead.
+weights every minibatch's forward already runs under: old_t = logp_t.detach(), every
+objective's ratio is exactly 1 in value (its gradient is that of logp_t), and the
+correction's weight exp(logp_t - behaviour_t) is what corrects for the samples' staleness
+and for the engine's numerics, at no extra forward. With "behaviour" (old = behaviour) the
+weight is 1 and the objective's clip acts against the sampler's policy instead.
 
 Mismatch metrics on every loss token, whatever `proximal`: |logp_t - behaviour_t| and the
 k3 estimate of KL(behaviour || trainer) on the sampled tokens, exp(d) - 1 - d with
@@ -40,41 +39,25 @@ mask_truncated: tokens of truncated samples get weight 0 and are left out of bot
 drawn. A sample with no weighted token counts in neither denominator.
 
 Metrics are sums over weighted tokens (detached 0-d tensors): add them over minibatches and
-ranks (all-reduce SUM), then `summarize_metrics` turns them into means and fractions.
+ranks (all-reduce SUM), then `summarize_metrics` turns them into means and fractions; the
+`*_max` ones are maxima (reduce them by max).
 This module never touches torch.distributed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from async_grpo.config import LossConfig
+from async_grpo.core.correction import Correction
+from async_grpo.core.objectives import DEFAULTS, OBJECTIVES, Bounds, Objective
 from async_grpo.core.packing import PackedBatch
 
 # ---- per-token terms --------------------------------------------------------------------
-
-
-def ppo_clip(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
-    """PPO-clip policy loss [T] with asymmetric bounds [1 - clip_low, 1 + clip_high]."""
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [T]
-    return torch.maximum(-adv * ratio, -adv * clipped)  # [T]
-
-
-def dual_clip(pg: Tensor, adv: Tensor, bound: float) -> Tensor:
-    """Cap the loss of negative-advantage tokens at -bound * A (Ye et al. 2020)."""
-    return torch.where(adv < 0, torch.minimum(pg, -bound * adv), pg)  # [T]
-
-
-def tis_weight(old: Tensor, behaviour: Tensor, cap: float | None) -> Tensor:
-    """Truncated importance weight min(exp(old - behaviour), cap) [T], detached; all ones
-    when `cap` is None (TIS disabled)."""
-    if cap is None:
-        return torch.ones_like(old)  # [T]
-    return torch.exp(old - behaviour).detach().clamp(max=cap)  # [T]
 
 
 def kl_k1(logp: Tensor, ref: Tensor) -> Tensor:
@@ -141,19 +124,26 @@ def loss_counts(batch: PackedBatch, mask_truncated: bool) -> tuple[int, int]:
     return int(mask.sum()), samples
 
 
+def resolved(cfg: LossConfig) -> LossConfig:
+    """`cfg` with what it leaves open (None) set to its objective's own (objectives.DEFAULTS):
+    the ratio bounds and the aggregation."""
+    own = DEFAULTS[cfg.objective]
+    return replace(cfg, **{k: v for k, v in own.items() if getattr(cfg, k) is None})
+
+
 @dataclass(frozen=True)
 class GRPOLoss:
     """The configured loss; see the module docstring for the formula."""
 
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
+    objective: Objective
+    bounds: Bounds
+    correction: Correction
     kl_coef: float
     kl_estimator: Callable[[Tensor, Tensor], Tensor]
     entropy_coef: float
     aggregation: Aggregation
+    aggregation_name: str
     constant_normalizer: float
-    tis_cap: float | None
     mask_truncated: bool
     proximal: str = "behaviour"
 
@@ -166,8 +156,9 @@ class GRPOLoss:
         entropy: Tensor | None = None,
         world_size: int = 1,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Loss of one minibatch (scaled for exact global normalisation) and metric sums.
-        `world_size`: ranks the gradient reduction averages over; 1 if it sums."""
+        """Loss of one minibatch (scaled for exact global normalisation) and metric sums
+        (`*_max` keys: maxima, to be reduced by max). `world_size`: ranks the gradient
+        reduction averages over; 1 if it sums."""
         mask = loss_weight_mask(batch, self.mask_truncated)  # [T] bool
         behaviour = batch.behaviour_logprobs  # [T]
         current = logprobs.detach().masked_fill(~mask, 0.0)  # [T]
@@ -177,26 +168,22 @@ class GRPOLoss:
             old = current  # [T]
         else:
             old = behaviour  # [T]
-        adv = batch.advantages  # [T]
+        adv, where = batch.advantages, batch.sample_index  # [T], [T]
         # off-mask positions are zeroed first, so junk there can neither overflow nor leak grad
-        log_ratio = (logprobs - old).masked_fill(~mask, 0.0)  # [T]
-        ratio = torch.exp(log_ratio)  # [T]
-        pg = ppo_clip(ratio, adv, self.clip_low, self.clip_high)  # [T]
-        if self.dual_clip is not None:
-            pg = dual_clip(pg, adv, self.dual_clip)  # [T]
-        tis = tis_weight(old, behaviour, self.tis_cap).masked_fill(~mask, 0.0)  # [T]
-        per_token = tis * pg  # [T]
-        m = {"tokens": mask.sum(), "ratio_sum": ratio[mask].sum(), "tis_sum": tis.sum()}
+        logp = logprobs.masked_fill(~mask, 0.0)  # [T]
+        pg, m = self.objective(logp, old.masked_fill(~mask, 0.0), adv, mask, where, self.bounds)
+        corr, corr_sums = self.correction(old, behaviour, current, adv, mask, where)  # [T]
+        per_token = corr * pg  # [T]
+        m = {"tokens": mask.sum(), **m, **corr_sums}
         d = (current - behaviour).masked_fill(~mask, 0.0)  # [T] trainer - sampler
         m["mismatch_abs_sum"] = d.abs()[mask].sum()
         k3 = torch.exp(d.clamp(max=50.0)) - 1.0 - d  # [T]; the clamp only keeps it finite
         m["mismatch_k3_sum"] = k3[mask].sum()
-        m |= self._clip_counts(ratio, adv, mask)
         if self.kl_coef:
             if batch.ref_logprobs is None:
                 raise ValueError("kl_coef > 0 but the batch has no ref_logprobs")
             ref = batch.ref_logprobs.masked_fill(~mask, 0.0)  # [T]
-            kl = self.kl_estimator(logprobs.masked_fill(~mask, 0.0), ref)  # [T], 0 off-mask
+            kl = self.kl_estimator(logp, ref)  # [T], 0 off-mask
             per_token = per_token + self.kl_coef * kl  # [T]
             m["kl_sum"] = kl[mask].sum()
         if entropy is not None:
@@ -205,57 +192,54 @@ class GRPOLoss:
         elif self.entropy_coef:
             raise ValueError("entropy_coef > 0 but no entropy was passed")
         weights = self.aggregation(
-            mask.float(),
-            batch.sample_index,
-            global_tokens,
-            global_samples,
-            self.constant_normalizer,
+            mask.float(), where, global_tokens, global_samples, self.constant_normalizer
         )  # [T]
         loss = (per_token * weights).sum() * world_size
         return loss, {k: v.detach().float() for k, v in m.items()}
-
-    def _clip_counts(self, ratio: Tensor, adv: Tensor, mask: Tensor) -> dict[str, Tensor]:
-        """Tokens whose gradient a bound cut off: low side (A < 0), high side, dual clip."""
-        low = (adv < 0) & (ratio < 1.0 - self.clip_low) & mask  # [T]
-        high = (adv > 0) & (ratio > 1.0 + self.clip_high) & mask  # [T]
-        counts = {"clip_low_sum": low.sum(), "clip_high_sum": high.sum()}
-        if self.dual_clip is not None:
-            dual = (adv < 0) & (ratio > self.dual_clip) & mask  # [T]
-            counts["dual_clip_sum"] = dual.sum()
-        return counts
 
 
 def build_loss(cfg: LossConfig, max_new_tokens: int | None = None) -> GRPOLoss:
     """A `GRPOLoss` from config; `max_new_tokens` is the Dr.GRPO constant when
     `cfg.constant_normalizer` is None."""
+    cfg = resolved(cfg)
     constant = cfg.constant_normalizer if cfg.constant_normalizer is not None else max_new_tokens
     if cfg.aggregation == "seq_sum_constant" and not constant:
         raise ValueError("seq_sum_constant: set loss.constant_normalizer or pass max_new_tokens")
     return GRPOLoss(
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
+        objective=OBJECTIVES[cfg.objective],
+        bounds=Bounds(cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.cispo_cap),
+        correction=Correction(cfg.correction),
         kl_coef=cfg.kl_coef,
         kl_estimator=KL_ESTIMATORS[cfg.kl_estimator],
         entropy_coef=cfg.entropy_coef,
         aggregation=AGGREGATIONS[cfg.aggregation],
+        aggregation_name=cfg.aggregation,
         constant_normalizer=float(constant or 1.0),
-        tis_cap=cfg.tis_cap,
         mask_truncated=cfg.mask_truncated,
         proximal=cfg.proximal,
     )
 
 
-FRACTIONS = ("clip_low", "clip_high", "dual_clip")
+FRACTIONS = (
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "is_truncated",
+    "is_masked",
+    "negative_masked",
+)
 
 
 def summarize_metrics(sums: dict[str, float]) -> dict[str, float]:
     """Per-token means from metric sums added over minibatches and ranks: `x_sum` becomes
-    `x_frac` for the clip counts, `x_mean` otherwise; `tokens` is kept."""
+    `x_frac` for the counts of FRACTIONS, `x_mean` otherwise; `tokens` and the maxima
+    (`x_max`, reduced by max) are kept."""
     tokens = float(sums.get("tokens", 0.0))
     out = {"tokens": tokens}
     for key, value in sums.items():
-        if key.endswith("_sum"):
+        if key.endswith("_max"):
+            out[key] = float(value)
+        elif key.endswith("_sum"):
             stem = key.removesuffix("_sum")
             out[stem + ("_frac" if stem in FRACTIONS else "_mean")] = float(value) / max(
                 tokens, 1.0

@@ -38,7 +38,7 @@ def reduce_books(
             f"rank {rank}: step {step} ran {acc['passes']} minibatches, the batcher"
             f" closed step {eob.step} after {eob.num_minibatches}"
         )
-    keys = sorted(acc["sums"])
+    keys = sorted(k for k in acc["sums"] if not k.endswith("_max"))
     flat = torch.tensor(
         [*acc["counts"], acc["tokens"], acc["received"], *(acc["sums"][k] for k in keys)],
         dtype=torch.float64,
@@ -47,6 +47,7 @@ def reduce_books(
     tokens, samples, all_tokens = int(flat[0]), int(flat[1]), float(flat[2])
     received = int(flat[3])
     sums = dict(zip(keys, flat[4:].tolist(), strict=True))
+    sums |= _maxima(acc["sums"])
     sent = eob.stats.get("samples/trained", received)
     if received != sent:  # the books say each sample is trained once: check it
         raise RuntimeError(
@@ -60,3 +61,14 @@ def reduce_books(
         )
     denom = tokens if aggregation == "token_mean" else samples
     return StepBooks(tokens, samples, all_tokens, sums, denom)
+
+
+def _maxima(sums: dict[str, float]) -> dict[str, float]:
+    """The `*_max` metrics over the ranks (every rank has the same keys: the loss returns
+    them for every minibatch, the placeholder's included)."""
+    keys = sorted(k for k in sums if k.endswith("_max"))
+    if not keys:
+        return {}
+    flat = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, flat.tolist(), strict=True))

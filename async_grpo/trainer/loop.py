@@ -198,7 +198,10 @@ class Trainer:
                 m["entropy_sum"] = ent.detach()[loss_weight_mask(batch, mask_truncated)].sum()
             m["loss_total"] = loss.detach()
             for k, v in m.items():
-                acc["sums"][k] += float(v)
+                if k.endswith("_max"):  # a maximum, not a sum
+                    acc["sums"][k] = max(acc["sums"].get(k, float("-inf")), float(v))
+                else:
+                    acc["sums"][k] += float(v)
             tokens, samples = loss_counts(batch, mask_truncated)
             acc["counts"][0] += tokens
             acc["counts"][1] += samples
@@ -253,7 +256,7 @@ class Trainer:
         eob, acc = self._accumulate(step)
         fault_point("trainer.step")  # the fault suite's trainer crash: after fwd/bwd
         to, wall = time.perf_counter(), time.time()
-        books = reduce_books(acc, eob, step, self.rank, self.cfg.trainer.loss.aggregation)
+        books = reduce_books(acc, eob, step, self.rank, self.loss_fn.aggregation_name)
         grad_norm, lr = self._optimize(books.denom)
         self.spans.add("train", wall, time.time())
         self.samples_seen += books.samples
@@ -366,7 +369,7 @@ class Trainer:
         timings["time/idle_fraction"] = idle / elapsed if elapsed > 0 else 0.0
         sums = books.sums
         summary = summarize_metrics(
-            {k: v for k, v in sums.items() if k.endswith("_sum") or k == "tokens"}
+            {k: v for k, v in sums.items() if k.endswith(("_sum", "_max")) or k == "tokens"}
         )
         return {
             "samples_seen": self.samples_seen,

@@ -19,9 +19,7 @@ from async_grpo.trainer.model import build_policy
 
 VOCAB = 49152
 BUDGET = 40
-LOSS = LossConfig(
-    kl_coef=0.05, entropy_coef=0.01, mask_truncated=True, tis_cap=2.0, temperature=0.9
-)
+LOSS = LossConfig(kl_coef=0.05, entropy_coef=0.01, mask_truncated=True, temperature=0.9)
 
 
 def run_config(tmp_dir: str, **trainer: object) -> RunConfig:

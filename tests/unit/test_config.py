@@ -86,6 +86,13 @@ def test_int_is_accepted_for_float():
         ("generation.top_p=0", "generation.top_p: must be in"),
         ("trainer.loss.proximal=old", "trainer.loss.proximal: expected one of"),
         ("batcher.spare_groups=-1", "batcher.spare_groups: must be >= 0"),
+        ("trainer.loss.objective=grpo", "trainer.loss.objective: expected one of"),
+        ("trainer.loss.tis_cap=2", "trainer.loss.tis_cap: unknown key"),
+        ("trainer.loss.cispo_cap=0", "trainer.loss.cispo_cap: must be > 0"),
+        ("trainer.loss.clip_low=1.5", "trainer.loss.clip_low/clip_high: bad bounds 1.5"),
+        ("trainer.loss.correction.floor=0.5", "trainer.loss.correction.floor: only a mask"),
+        ("trainer.loss.correction.level=seq", "trainer.loss.correction.level: expected one"),
+        ("trainer.loss.correction.cap=-1", "trainer.loss.correction.cap: must be > 0"),
     ],
 )
 def test_bad_configs_name_the_key(override, message):

@@ -1,6 +1,7 @@
 """Exact global normalisation: 2 gloo ranks, uneven samples, several minibatches each,
 gradient accumulation then a SUM all-reduce (loss world_size=1) or DDP's averaging
-all-reduce (loss world_size=2), give the single-process whole-batch gradient."""
+all-reduce (loss world_size=2), give the single-process whole-batch gradient, for every
+objective under every aggregation and for the sequence-level corrections."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from async_grpo.config import LossConfig
+from async_grpo.config import CorrectionConfig, LossConfig
 from async_grpo.core.logprobs import logprobs_from_hidden
 from async_grpo.core.loss import build_loss, loss_counts
 from async_grpo.core.packing import PackedBatch, PackInput, pack, plan_minibatches
@@ -30,11 +31,25 @@ CFG = LossConfig(
     kl_estimator="k3",
     entropy_coef=0.01,
     constant_normalizer=6.0,
-    tis_cap=2.0,
+    correction=CorrectionConfig(cap=2.0),
     mask_truncated=True,
     temperature=0.9,
 )
 VOCAB, MAX_TOKENS = 32, 12
+SEQUENCE_CORRECTIONS = {
+    "sequence-mask": CorrectionConfig(
+        level="sequence", mode="mask", cap=3.0, floor=0.2, negative_threshold=0.1
+    ),
+    "geometric-truncate": CorrectionConfig(level="geometric", cap=1.2),
+}
+VARIANTS = {  # name -> the loss config's overrides
+    **{
+        f"{objective}/{agg}": {"objective": objective, "aggregation": agg}
+        for objective in ("ppo", "gspo", "cispo", "gmpo")
+        for agg in AGGREGATIONS
+    },
+    **{name: {"correction": c} for name, c in SEQUENCE_CORRECTIONS.items()},
+}
 
 
 class TinyLM(nn.Module):
@@ -93,12 +108,12 @@ def _global_counts(batches: list[PackedBatch]) -> tuple[int, int]:
 def _backward(
     model: nn.Module,
     batches: list[PackedBatch],
-    aggregation: str,
+    variant: str,
     counts: tuple[int, int],
     world: int,
 ) -> None:
     """Accumulate the gradients of `batches` normalised by the step's global `counts`."""
-    loss_fn = build_loss(replace(CFG, aggregation=aggregation))
+    loss_fn = build_loss(replace(CFG, **VARIANTS[variant]))
     for b in batches:
         logp, entropy = model(b)
         loss, _ = loss_fn(logp, b, *counts, entropy=entropy, world_size=world)
@@ -118,7 +133,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     batches = [pack([samples[i] for i in mb]) for mb in _plan(samples)[rank]]
     counts = _global_counts(batches)
     grads = {}
-    for aggregation in AGGREGATIONS:
+    for aggregation in VARIANTS:
         # SUM all-reduce of the accumulated gradients: the loss is not scaled
         torch.manual_seed(0)
         model = TinyLM()
@@ -155,7 +170,7 @@ def test_two_rank_gradient_equals_whole_batch_gradient(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     samples = _samples()
     whole = pack(samples)
-    for aggregation in AGGREGATIONS:
+    for aggregation in VARIANTS:
         torch.manual_seed(0)
         model = TinyLM()
         _backward(model, [whole], aggregation, _global_counts([whole]), world=1)
@@ -169,7 +184,7 @@ def test_two_rank_gradient_equals_whole_batch_gradient(tmp_path):
                     assert diff <= 1e-5, f"{mode} {aggregation} rank {rank}: {diff}"
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", VARIANTS)
 def test_split_changes_nothing_in_one_process(aggregation):
     """The same identity without processes: any split into minibatches, same gradient."""
     samples = _samples()

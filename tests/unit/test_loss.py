@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from async_grpo.config import LossConfig
+from async_grpo.config import CorrectionConfig, LossConfig
 from async_grpo.core.loss import build_loss, loss_counts, summarize_metrics
 from async_grpo.core.packing import PackedBatch, PackInput, pack
 
@@ -19,9 +19,10 @@ BASE = LossConfig(
     kl_coef=0.0,
     entropy_coef=0.0,
     aggregation="token_mean",
-    tis_cap=None,
+    correction=CorrectionConfig(mode="off"),
     mask_truncated=False,
 )
+CAP2 = CorrectionConfig(cap=2.0)  # token-level truncation at 2 (TIS)
 L = math.log
 
 
@@ -151,16 +152,16 @@ def test_truncated_importance_sampling():
     old = [-1.0, -2.0, -0.5]
     behaviour = [o - d for o, d in zip(old, [L(3.0), L(0.5), 0.0], strict=True)]
     batch = _batch({"adv": 1.0, "behaviour": behaviour, "old": old})
-    loss, grad, m = _loss(replace(BASE, tis_cap=2.0), batch, old, tokens=3, samples=1)
+    loss, grad, m = _loss(replace(BASE, correction=CAP2), batch, old, tokens=3, samples=1)
     assert loss == pytest.approx(-(2 + 0.5 + 1) / 3, abs=1e-6)  # -1.1666667
     assert grad == pytest.approx([-2 / 3, -0.5 / 3, -1 / 3], abs=1e-6)  # w * (-A r) / 3
-    assert m["tis_sum"].item() == pytest.approx(3.5, abs=1e-6)
-    loss, _, m = _loss(BASE, batch, old, tokens=3, samples=1)  # tis_cap None: weights 1
+    assert m["is_weight_sum"].item() == pytest.approx(3.5, abs=1e-6)
+    loss, _, m = _loss(BASE, batch, old, tokens=3, samples=1)  # correction off: weights 1
     assert loss == pytest.approx(-(1 + 1 + 1) / 3, abs=1e-6)  # -1.0
-    assert m["tis_sum"].item() == pytest.approx(3.0, abs=1e-6)
+    assert m["is_weight_sum"].item() == pytest.approx(3.0, abs=1e-6)
     # without old log-probs, ratio and weight both use behaviour: weight 1, ratio exp(0.7)
     plain = _batch({"adv": 1.0, "behaviour": [-1.0]})
-    loss, _, _ = _loss(replace(BASE, tis_cap=2.0), plain, [-0.3], tokens=1, samples=1)
+    loss, _, _ = _loss(replace(BASE, correction=CAP2), plain, [-0.3], tokens=1, samples=1)
     assert loss == pytest.approx(-1.28, abs=1e-6)  # ratio e^0.7 = 2.01 clipped to 1.28
 
 
@@ -200,11 +201,11 @@ def test_proximal_current_is_decoupled_ppo_with_one_update():
     logp = [-1.0, -2.0, -0.5]
     behaviour = [o - d for o, d in zip(logp, [L(3.0), L(0.5), 0.0], strict=True)]
     batch = _batch({"adv": 1.0, "behaviour": behaviour})
-    cfg = replace(BASE, tis_cap=2.0, proximal="current")
+    cfg = replace(BASE, correction=CAP2, proximal="current")
     loss, grad, m = _loss(cfg, batch, logp, tokens=3, samples=1)
     assert loss == pytest.approx(-(2 + 0.5 + 1) / 3, abs=1e-6)
     assert grad == pytest.approx([-2 / 3, -0.5 / 3, -1 / 3], abs=1e-6)
-    assert m["tis_sum"].item() == pytest.approx(3.5, abs=1e-6)
+    assert m["is_weight_sum"].item() == pytest.approx(3.5, abs=1e-6)
     assert m["ratio_sum"].item() == pytest.approx(3.0, abs=1e-6)
     assert m["clip_high_sum"].item() == 0  # ratio e^(log 3) would have been clipped
     # mismatch: |d| = [log 3, log 2, 0]; k3 = e^d - 1 - d = [2 - log 3, log 2 - 0.5, 0]
@@ -215,7 +216,7 @@ def test_proximal_current_is_decoupled_ppo_with_one_update():
     loss, grad, m = _loss(replace(cfg, proximal="behaviour"), batch, logp, tokens=3, samples=1)
     assert loss == pytest.approx(-(1.28 + 0.5 + 1) / 3, abs=1e-6)  # 3 clipped to 1.28
     assert grad == pytest.approx([0.0, -0.5 / 3, -1 / 3], abs=1e-6)
-    assert m["tis_sum"].item() == pytest.approx(3.0, abs=1e-6)
+    assert m["is_weight_sum"].item() == pytest.approx(3.0, abs=1e-6)
     assert m["mismatch_abs_sum"].item() == pytest.approx(L(3.0) + L(2.0), abs=1e-6)
 
 
