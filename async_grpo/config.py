@@ -67,6 +67,16 @@ class LogprobConfig:
 
 
 @dataclass
+class OverlongConfig:
+    """DAPO's soft overlong penalty, added to a single-turn sample's reward as the component
+    `overlong` (rewards/overlong.py): 0 up to max_new_tokens - buffer, then falling linearly
+    to -penalty at max_new_tokens."""
+
+    buffer: int = 0  # tokens of the ramp (verl overlong_buffer.len); 0: off
+    penalty: float = 1.0  # the penalty at the limit (verl penalty_factor; TRL: 1)
+
+
+@dataclass
 class VerifierConfig:
     """CPU reward workers; each score runs in a subprocess killed at `timeout_s`."""
 
@@ -77,6 +87,7 @@ class VerifierConfig:
     timeout_s: float = 5.0
     max_concurrency: int = 4  # scoring subprocesses per worker
     max_error_fraction: float = 1.0  # a step with this share of samples failing to score stops
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
 @dataclass
@@ -108,6 +119,7 @@ class BatcherConfig:
     )
     max_missing_fraction: float = 1.0  # a step with this share of samples never arriving stops
     spare_groups: int = 0  # extra groups per step; finished ones replace equal-reward groups
+    dynamic_sampling: int = 0  # redraws of an equal-reward group with a fresh prompt; 0: off
     curriculum: bool = False  # draw prompts by measured mastery (data/curriculum.py)
     curriculum_floor: float = 0.1  # draw weight of a prompt always or never solved (1.1: unseen)
     curriculum_pass: float = 1.0  # a sample passes (counts to mastery) at this reward or above

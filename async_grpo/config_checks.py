@@ -58,6 +58,7 @@ def check_numbers(cfg: RunConfig) -> None:
         "generation.kv_cache_gib": g.kv_cache_gib,
         "batcher.max_off_policy_steps": b.max_off_policy_steps,
         "batcher.spare_groups": b.spare_groups,
+        "batcher.dynamic_sampling": b.dynamic_sampling,
         "trainer.warmup_steps": t.warmup_steps,
         "trainer.weight_decay": t.weight_decay,
         "trainer.save_every": t.save_every,
@@ -141,6 +142,17 @@ def validate_verifier(cfg: RunConfig) -> None:
             raise ConfigError(f"verifier.weights: no weight for reward {missing[0]!r}")
     if not v.rewards:
         raise ConfigError("verifier.rewards: at least one reward is required")
+    o, limit = v.overlong, cfg.generation.max_new_tokens
+    if not (0 <= o.buffer < limit) or o.penalty < 0:
+        raise ConfigError(
+            f"verifier.overlong: buffer {o.buffer} must be in [0, generation.max_new_tokens"
+            f" = {limit}) and penalty {o.penalty} >= 0"
+        )
+    if o.buffer and cfg.environment.name is not None:
+        raise ConfigError(
+            "verifier.overlong: the penalty applies to single-turn completions; an"
+            " environment scores its own episodes (give the length penalty there)"
+        )
 
 
 def validate_devices(cfg: RunConfig) -> None:

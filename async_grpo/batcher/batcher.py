@@ -15,7 +15,9 @@ yet trained go into each checkpoint (`pending`) and are replayed on resume (`sta
 
 With `batcher.spare_groups`, each step also starts spare groups that may take the places
 of its equal-reward groups when it is packed (spares.py); neither a push nor the trainer
-waits for them.
+waits for them. With `batcher.dynamic_sampling`, a group that comes back with equal
+rewards is redrawn from a fresh prompt in its own task (spares.py), so a push and the
+packing wait for it like for any group of its step.
 
 Generation is leased only from workers that serve version s - k or newer. A worker behind
 the current version (the replacement of a dead one, a late joiner) is caught up at once
@@ -93,6 +95,7 @@ class ExperienceBatcher:
         self.error: str | None = None
         self._groups: dict[int, dict[int, list[ScoredSample] | None]] = defaultdict(dict)
         self._preloaded: dict[int, list[list[ScoredSample] | None]] = {}
+        self._redrawn: dict[int, list[list[ScoredSample]]] = defaultdict(list)  # replaced
         self._unfinished = 0  # group tasks started, not yet finished
         self._cursor = 0  # the next step production will start
         self._progress: asyncio.Condition | None = None
@@ -295,7 +298,7 @@ class ExperienceBatcher:
                 group = self._preloaded[step][slot]
                 self.books[step]["samples/replayed"] += len(group or [])
             else:
-                group = await self._maker.find(step, slot, index)
+                group = await self._redraw(step, slot, await self._maker.find(step, slot, index))
             if group is None:
                 self.books[step]["samples/missing"] += n
                 if self.curriculum is not None:  # seen and never passed: drawn less
@@ -306,6 +309,29 @@ class ExperienceBatcher:
             self._unfinished -= 1
             async with self._progress:
                 self._progress.notify_all()
+
+    async def _redraw(
+        self, step: int, slot: int, group: list[ScoredSample] | None
+    ) -> list[ScoredSample] | None:
+        """Dynamic sampling: while `group` has equal rewards, up to `dynamic_sampling`
+        times, a group of a fresh prompt (one try each) takes its place (spares.py)."""
+        books = self.books[step]
+        for attempt in range(self.cfg.batcher.dynamic_sampling):
+            if group is None or any(s.advantage != 0.0 for s in group):
+                break
+            books["groups/redraws"] += 1
+            fresh = await self._maker.find(
+                step,
+                self.spares.redraw_slot(slot, attempt),
+                self.spares.redraw_index(step, slot, attempt),
+                attempts=1,
+            )
+            if fresh is None:  # a failed try, counted as its drop: the equal group stays
+                continue
+            books["dropped/redrawn"] += len(group)
+            self._redrawn[step].append(group)
+            group = fresh
+        return group
 
     async def _spare_group(self, step: int, j: int) -> list[ScoredSample] | None:
         """Spare group j of `step`: slot q + j, the spare order's draw step * m + j, one try."""
@@ -377,6 +403,7 @@ class ExperienceBatcher:
     ) -> None:
         """Book `step`, gather its statistics and send every rank its EndOfBatch."""
         samples = [s for grp in groups for s in grp]
+        redraws = self.books[step].pop("groups/redraws", 0.0)  # groups, not samples
         self.books[step]["samples/trained"] += len(samples) - len(skipped)
         self.books[step]["samples/skipped"] += len(skipped)
         stats = report.batch_stats(step, groups, time.monotonic() - t0)
@@ -391,9 +418,15 @@ class ExperienceBatcher:
         stats["skipped_samples"] = float(len(skipped))
         if self.cfg.batcher.spare_groups:
             stats["spare_groups_used"] = float(spares_used)
+        redrawn = self._redrawn.pop(step, [])
+        if self.cfg.batcher.dynamic_sampling:
+            stats["dynamic_sampling/redraws"] = redraws
+            stats["dynamic_sampling/replaced"] = float(len(redrawn))
+            equal = [g for g in groups if all(s.advantage == 0.0 for s in g)]
+            stats["dynamic_sampling/left_equal"] = float(len(equal))
         if self.curriculum is not None:
             passing = self.cfg.batcher.curriculum_pass
-            for grp in (g for g in groups + replaced if g[0].prompt_index >= 0):
+            for grp in (g for g in groups + replaced + redrawn if g[0].prompt_index >= 0):
                 passed = sum(s.reward >= passing for s in grp)
                 self.curriculum.record(step, grp[0].prompt_index, passed, len(grp))
             stats |= self.curriculum.stats()

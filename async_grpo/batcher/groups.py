@@ -21,6 +21,7 @@ from async_grpo.core.advantages import group_advantages
 from async_grpo.data import Prompt
 from async_grpo.environments.pool import EnvironmentFailed
 from async_grpo.inference.types import PoolUnavailable, RequestError, SamplingSettings
+from async_grpo.rewards.overlong import overlong_penalty
 
 GROUP_ATTEMPTS = 3
 
@@ -105,6 +106,13 @@ class GroupMaker:
             )
         if group is None:
             return None
+        overlong = self.cfg.verifier.overlong
+        if overlong.buffer and self.episodes is None:
+            for s in group:  # DAPO's soft penalty, before the advantages
+                s.components["overlong"] = overlong_penalty(
+                    len(s.completion_ids), self.cfg.generation.max_new_tokens, overlong
+                )
+                s.reward += s.components["overlong"]
         rewards = torch.tensor([s.reward for s in group], dtype=torch.float32)  # [n]
         adv, _ = group_advantages(rewards, self.cfg.trainer.loss.advantage_std_norm)
         refs: list[Any] = [None] * n

@@ -1,4 +1,8 @@
-"""Spare groups: a few extra groups per step that keep the generation pool working while a
+"""Groups of fresh prompts in the places of a step's equal-reward groups: spare groups,
+started ahead and used if ready (opportunistic), and redraws (DAPO's dynamic sampling),
+started once a group comes back equal and waited for. One prompt order serves both.
+
+Spare groups: a few extra groups per step that keep the generation pool working while a
 trainer-bound run would leave it idle, and that replace the step's equal-reward groups.
 
 An equal-reward group has all-zero advantages, so with no KL or entropy term it adds
@@ -18,6 +22,18 @@ The books stay balanced: a spare's samples are requested like any others, and le
 trained, as `dropped/spare_unused` (finished with equal rewards, surplus, or cancelled), or
 as the drop of a failed attempt; a replaced group's samples leave as
 `dropped/replaced_by_spare`, and the spare fills its slot.
+
+Redraws (`batcher.dynamic_sampling` = R): a group of slot i that comes back with equal
+rewards is replaced, in the same task and so under the same policy version (a push waits
+for it like for any group of the step), by a group of a fresh prompt, up to R times per
+slot: at most q * R extra groups a step. Redraw a of slot i of step s is draw
+(s * q + i) * R + a of the order, with its own sampling seeds, so which prompts replace
+which does not depend on timing, and the slot holds the final group before the step is
+packed: a checkpoint keeps it, and a resumed run trains the same groups. A replaced
+group's samples leave as `dropped/redrawn`; a group still equal after R redraws is set
+aside as any equal-reward group. Unlike DAPO, the step keeps the equal groups it could not
+replace in its normaliser (their tokens count, as skipped ones do): the objective does not
+change with the bound.
 """
 
 from __future__ import annotations
@@ -38,14 +54,26 @@ class Spares:
 
     def __init__(self, cfg: BatcherConfig, num_prompts: int) -> None:
         self.per_step, self.group_size = cfg.spare_groups, cfg.samples_per_question
-        # their own prompt order, so the regular draws stay those of a run without spares
-        # (a negative seed: never one of a user's)
+        self.questions, self.redraws = cfg.questions_per_step, cfg.dynamic_sampling
+        # their own prompt orders, so the regular draws stay those of a run without spares
+        # or redraws (negative seeds: never one of a user's)
         self.sampler = PromptSampler(num_prompts, -1 - cfg.seed)
+        self.redraw_sampler = PromptSampler(num_prompts, -(2**20) - cfg.seed)
         self._tasks: dict[int, list[asyncio.Task]] = {}
 
     def index(self, step: int, j: int) -> int:
         """The prompt of spare j of `step`: draw step * m + j of the spares' order."""
         return self.sampler.index_at(step * self.per_step + j)
+
+    def redraw_index(self, step: int, slot: int, attempt: int) -> int:
+        """The prompt of redraw `attempt` of `slot`: draw (step * q + slot) * R + attempt
+        of the redraws' order (after the spares' draws of the same order would collide)."""
+        draw = (step * self.questions + slot) * self.redraws + attempt
+        return self.redraw_sampler.index_at(draw)
+
+    def redraw_slot(self, slot: int, attempt: int) -> int:
+        """The slot number a redraw's sampling seeds come from: past the spares' ones."""
+        return self.questions + self.per_step + slot * self.redraws + attempt
 
     def start(
         self,

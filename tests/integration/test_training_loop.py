@@ -25,10 +25,21 @@ def runs(tiny_model_dir, tmp_path_factory):
     """A 4-step run (checkpoints at steps 3 and 4), and step 4 again: a second run resumed
     from the first one's step-3 checkpoint into a folder of its own."""
     base = tmp_path_factory.mktemp("loop")
-    full = _run(tiny_model_dir, base / "full", 4)
+    full = _run(tiny_model_dir, base / "full", 4, *SEQUENCE_LEVEL)
     step3 = base / "full" / "checkpoints" / "step_3"
-    resumed = _run(tiny_model_dir, base / "resumed", 4, "--resume", str(step3))
+    resumed = _run(tiny_model_dir, base / "resumed", 4, "--resume", str(step3), *SEQUENCE_LEVEL)
     return full, resumed, base
+
+
+# the objective and correction that need whole sequences on a rank: GSPO's ratio, a
+# sequence-level mask of the correction weight, taken against the trainer's own policy
+SEQUENCE_LEVEL = (
+    "trainer.loss.objective=gspo",
+    "trainer.loss.proximal=current",
+    "trainer.loss.correction.level=sequence",
+    "trainer.loss.correction.mode=mask",
+    "trainer.loss.correction.cap=3.0",
+)
 
 
 def test_four_steps_train_and_push(runs):
@@ -38,6 +49,10 @@ def test_four_steps_train_and_push(runs):
         assert m["samples"] == 6 and m["grad_norm"] > 0 and m["zero_advantage_fraction"] == 0
         assert m["kl"] >= 0.0 and "reward/rewards_for_tests:vowel_share/vowels" in m
         assert m["staleness/max"] == 0  # max_off_policy_steps=0: on-policy
+        # the sequence weights over both ranks: near 1 (fp32 engine and trainer), the max
+        # reduced by max, and one weight per sequence: masked tokens come in whole samples
+        assert 0.9 < m["is_weight_mean"] <= m["is_weight_max"] < 1.1
+        assert m["ratio_mean"] == pytest.approx(1.0) and m["is_masked_frac"] == 0.0
         assert m["verifier/timeouts"] == 0 and m["verifier/errors"] == 0
         # on-policy: each step's window holds its own generation, and the trainer waits
         assert 0 < m["pool/generation/busy_fraction"] <= 1
@@ -149,7 +164,7 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
     the batcher sends nothing (no forward/backward at all) and the trainer's counts still
     agree with the batcher's. Two spare groups a step cannot help (their rewards are equal
     too, or they are cancelled in the engine when the step is packed): their samples are
-    counted unused and the books balance."""
+    counted unused and the books balance; nor can a redraw (dynamic sampling, bound 1)."""
     metrics = _run(
         tiny_model_dir,
         tmp_path / "flat",
@@ -158,13 +173,17 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
         "verifier.rewards=[exact]",
         "trainer.save_every=0",
         "batcher.spare_groups=2",
+        "batcher.dynamic_sampling=1",
     )
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["reward/mean"] == 0.0 and m["zero_advantage_fraction"] == 1.0
         assert m["skipped_samples"] == m["samples"] == 6
         assert m["spare_groups_used"] == 0 and m["dropped/spare_unused"] == 12
-        assert m["samples/unaccounted"] == 0 and m["samples/requested"] == 18
+        # the one group was redrawn once (equal again): its first draw left as redrawn
+        assert m["dynamic_sampling/redraws"] == 1 and m["dynamic_sampling/left_equal"] == 1
+        assert m["dropped/redrawn"] == 6
+        assert m["samples/unaccounted"] == 0 and m["samples/requested"] == 24
         assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
         assert m["minibatches"] == 0  # a round empty on every rank is never run
 

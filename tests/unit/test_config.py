@@ -93,6 +93,8 @@ def test_int_is_accepted_for_float():
         ("trainer.loss.correction.floor=0.5", "trainer.loss.correction.floor: only a mask"),
         ("trainer.loss.correction.level=seq", "trainer.loss.correction.level: expected one"),
         ("trainer.loss.correction.cap=-1", "trainer.loss.correction.cap: must be > 0"),
+        ("batcher.dynamic_sampling=-2", "batcher.dynamic_sampling: must be >= 0"),
+        ("verifier.overlong.buffer=5000", "verifier.overlong: buffer 5000 must be in [0,"),
     ],
 )
 def test_bad_configs_name_the_key(override, message):

@@ -11,6 +11,7 @@ from test_loss import BASE, L, _batch, _loss
 
 from async_grpo.config import CorrectionConfig
 from async_grpo.core.loss import build_loss, resolved, summarize_metrics
+from async_grpo.core.packing import PackInput, pack
 
 SEQ = "seq_mean_token_mean"
 
@@ -141,3 +142,37 @@ def test_under_proximal_behaviour_every_correction_weight_is_one():
 def test_maxima_pass_through_the_summary():
     out = summarize_metrics({"tokens": 4.0, "is_weight_sum": 4.4, "is_weight_max": 2.5})
     assert out == {"tokens": 4.0, "is_weight_mean": 1.1, "is_weight_max": 2.5}
+
+
+@pytest.mark.parametrize("proximal", ["behaviour", "current"])  # the ratio's, the weight's
+@pytest.mark.parametrize("objective", ["ppo", "gspo", "cispo", "gmpo"])
+def test_shared_prompts_and_environment_tokens_change_no_sequence_term(objective, proximal):
+    """A sequence's terms count its model tokens only: the same samples packed with shared
+    prompts, or with environment tokens between their model tokens (a multi-turn mask),
+    give the loss and gradients of the plain packing."""
+    cfg = replace(
+        BASE,
+        objective=objective,
+        aggregation=SEQ,
+        proximal=proximal,
+        correction=CorrectionConfig(level="sequence", mode="mask", cap=3.0),
+    )
+    prompt, logp = [1, 2, 3], [-0.5, -1.5, -0.7, -2.0, -0.1]
+    plain = [
+        PackInput(prompt, [4, 5, 6], 1.0, [-0.6, -1.2, -0.9]),
+        PackInput(prompt, [7, 8], -0.5, [-1.9, -0.3]),
+    ]
+    env = [  # the second sample's turn had an environment token (9) between its two tokens
+        plain[0],
+        PackInput(prompt, [7, 9, 8], -0.5, [-1.9, 0.0, -0.3], completion_mask=[True, False, True]),
+    ]
+    want = _packed_loss(cfg, pack(plain), logp)
+    assert any(g != 0.0 for g in want[1:])
+    assert _packed_loss(cfg, pack(plain, share_prompts=True), logp) == pytest.approx(want)
+    assert _packed_loss(cfg, pack(env), logp) == pytest.approx(want)
+    assert _packed_loss(cfg, pack(env, share_prompts=True), logp) == pytest.approx(want)
+
+
+def _packed_loss(cfg, batch, logp_values):
+    loss, grad, _ = _loss(cfg, batch, logp_values, tokens=5, samples=2)
+    return [loss, *grad]
