@@ -104,6 +104,17 @@ async def _drain(batcher, rank, timeout_s=30.0):
             return items
 
 
+def sent_samples(per_rank):
+    """What the ranks received for one step, in a canonical order: (prompt, completion,
+    advantage) of every sample."""
+    return sorted(
+        (tuple(s.prompt_ids), tuple(s.completion_ids), s.advantage)
+        for items in per_rank
+        for mb in items[:-1]
+        for s in mb.samples
+    )
+
+
 def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
@@ -328,15 +339,7 @@ def test_fixed_lag_pending_groups_replay_on_resume():
     again, new_calls = _run(resumed(pending))
     assert new_calls and all(v == 1 for _, v in new_calls)  # only step 2 is generated
 
-    def samples(per_rank):
-        return sorted(
-            (tuple(s.prompt_ids), tuple(s.completion_ids), s.advantage)
-            for items in per_rank
-            for mb in items[:-1]
-            for s in mb.samples
-        )
-
-    assert samples(again) == samples(sent)
+    assert sent_samples(again) == sent_samples(sent)
     _balanced(again[0][-1].stats, replayed=16, requested=0, generated=0)
     _balanced(sent[0][-1].stats, replayed=0, requested=16)
     assert again[0][-1].global_tokens == sent[0][-1].global_tokens

@@ -15,6 +15,7 @@ from test_batcher import (
     _drain,
     _prompts,
     _run,
+    sent_samples,
 )
 
 from async_grpo.batcher.batcher import ExperienceBatcher
@@ -127,14 +128,6 @@ def test_a_push_waits_for_redraws_and_a_resumed_run_trains_the_same_groups():
     again, calls = _run(resumed(pending))
     assert all(v == 1 for _, v in calls)  # only step 2 is generated, under version 1
 
-    def samples(per_rank):
-        return sorted(
-            (tuple(s.prompt_ids), tuple(s.completion_ids), s.advantage)
-            for items in per_rank
-            for mb in items[:-1]
-            for s in mb.samples
-        )
-
-    assert samples(again) == samples(sent) and samples(sent)
+    assert sent_samples(again) == sent_samples(sent) and sent_samples(sent)
     _balanced(again[0][-1].stats, replayed=16, requested=0, generated=0)
     assert again[0][-1].global_tokens == sent[0][-1].global_tokens
