@@ -156,7 +156,7 @@ class LossConfig:
     constant_normalizer: float | None = None  # Dr.GRPO divisor; defaults to max_new_tokens
     advantage_std_norm: bool = True  # False = Dr.GRPO advantages (r - mean)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
-    proximal: Literal["behaviour", "current"] = "behaviour"  # PPO ratio against (docs/loss.md)
+    proximal: Literal["behaviour", "current"] = "current"  # the ratio against (docs/loss.md)
     mask_truncated: bool = False  # drop samples cut at the length limit from the loss
     temperature: float = 1.0  # log-probs are computed at the sampling temperature
 

@@ -33,6 +33,11 @@ SETTINGS: dict[str, list[str]] = {  # name -> overrides of the config
     ],
     "gspo": ["trainer.loss.proximal=behaviour", "trainer.loss.objective=gspo"],
     "cispo": ["trainer.loss.proximal=behaviour", "trainer.loss.objective=cispo"],
+    "cispo-1.2": [  # verl's example cap
+        "trainer.loss.proximal=behaviour",
+        "trainer.loss.objective=cispo",
+        "trainer.loss.cispo_cap=1.2",
+    ],
     "gmpo": ["trainer.loss.proximal=behaviour", "trainer.loss.objective=gmpo"],
 }
 EVAL_AT_END = ["eval.every=40", "eval.at_start=false", "sample_every=0"]

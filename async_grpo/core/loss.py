@@ -4,8 +4,8 @@ In: current-policy log-probs [T] (with grad), a `PackedBatch`, optional entropy 
 GLOBAL counts of the optimizer step. Out: the loss scalar and summed metrics.
 
 Per loss token t of sample s, with old = old_logprobs if given, else the trainer's own
-log-probs before this step's update (detached) when `proximal="current"`, else the
-sampler's behaviour_logprobs:
+log-probs before this step's update (detached) when `proximal="current"` (the default),
+else the sampler's behaviour_logprobs:
     pg_t    = the objective's policy term (core/objectives.py: ppo, gspo, cispo, gmpo)
     corr_t  = the off-policy correction's weight from old vs behaviour, detached
               (core/correction.py: token or sequence level, truncated or masked)
@@ -145,7 +145,7 @@ class GRPOLoss:
     aggregation_name: str
     constant_normalizer: float
     mask_truncated: bool
-    proximal: str = "behaviour"
+    proximal: str = "current"
 
     def __call__(
         self,

@@ -20,6 +20,7 @@ BASE = LossConfig(
     entropy_coef=0.0,
     aggregation="token_mean",
     correction=CorrectionConfig(mode="off"),
+    proximal="behaviour",  # the ratio against the sampler: the hand values below use it
     mask_truncated=False,
 )
 CAP2 = CorrectionConfig(cap=2.0)  # token-level truncation at 2 (TIS)
