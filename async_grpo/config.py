@@ -146,7 +146,7 @@ class LossConfig:
     objective: Literal["ppo", "gspo", "cispo", "gmpo"] = "ppo"  # docs/loss.md
     clip_low: float | None = None  # None: the objective's own (ppo 0.2, gspo 3e-4, gmpo 0.4)
     clip_high: float | None = None  # None: the objective's own (ppo 0.28 DAPO, gspo 4e-4)
-    cispo_cap: float = 5.0  # cispo: the IS weight's cap, min(ratio, cap), detached
+    cispo_cap: float = 1.2  # cispo: the IS weight's cap, min(ratio, cap), detached
     dual_clip: float | None = 3.0  # bound on the ratio for negative advantages; None disables
     kl_coef: float = 0.0  # 0 disables the reference model entirely
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

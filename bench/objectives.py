@@ -32,7 +32,11 @@ SETTINGS: dict[str, list[str]] = {  # name -> overrides of the config
         "trainer.loss.correction.cap=3.0",
     ],
     "gspo": ["trainer.loss.proximal=behaviour", "trainer.loss.objective=gspo"],
-    "cispo": ["trainer.loss.proximal=behaviour", "trainer.loss.objective=cispo"],
+    "cispo": [  # TRL's cap (ScaleRL)
+        "trainer.loss.proximal=behaviour",
+        "trainer.loss.objective=cispo",
+        "trainer.loss.cispo_cap=5.0",
+    ],
     "cispo-1.2": [  # verl's example cap
         "trainer.loss.proximal=behaviour",
         "trainer.loss.objective=cispo",

@@ -27,7 +27,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("loop")
     full = _run(tiny_model_dir, base / "full", 4, *SEQUENCE_LEVEL)
     step3 = base / "full" / "checkpoints" / "step_3"
-    resumed = _run(tiny_model_dir, base / "resumed", 4, "--resume", str(step3), *SEQUENCE_LEVEL)
+    resumed = _run(tiny_model_dir, base / "resumed", 4, *SEQUENCE_LEVEL, "--resume", str(step3))
     return full, resumed, base
 
 
