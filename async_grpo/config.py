@@ -49,6 +49,9 @@ class GenerationConfig:
     enforce_eager: bool = True  # on CPU: ~60 s start instead of ~200 s, ~half the tok/s
     tensor_parallel_size: int = 1
     threads: int = 1  # CPU threads per engine
+    cpus: str | None = (
+        None  # cores the engines may run on ("0", "0-3"); None: any (docs/placement.md)
+    )
     seed: int = 0
     weight_transport: Literal["auto", "broadcast"] = "auto"
     weight_update: Literal["wait", "in_flight"] = "wait"
@@ -64,6 +67,7 @@ class LogprobConfig:
     dtype: ComputeDtype = "auto"
     attention: Attention = "auto"  # auto: flash varlen / flex on CUDA, sdpa on CPU
     threads: int = 1
+    cpus: str | None = None  # cores the log-prob workers may run on; None: any
 
 
 @dataclass
@@ -195,6 +199,7 @@ class TrainerConfig:
     weight_transport: WeightTransport = "auto"
     logprob_chunk_size: int = 1024
     threads: int = 1
+    cpus: str | None = None  # cores the ranks may run on ("1", "2-7"); None: any
     loss: LossConfig = field(default_factory=LossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -347,6 +352,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         return {str(k): _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # YAML reads `cpus: 0` or `run_name: 2026` as a number
     if tp is float and isinstance(value, str):
         try:  # YAML 1.1 reads `1e-6` (no dot) as a string
             return float(value)

@@ -87,6 +87,7 @@ def validate(cfg: RunConfig) -> None:
     validate_eval(cfg)
     validate_loss(cfg)
     validate_lora(cfg)
+    validate_placement(cfg)
 
 
 def validate_generation(cfg: RunConfig) -> None:
@@ -335,3 +336,20 @@ def validate_lora(cfg: RunConfig) -> None:
 
 
 MAX_LORA_RANK = 512  # the largest rank vLLM serves (its max_lora_rank choices)
+
+
+def validate_placement(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
+    """Core lists that parse, exist on this machine and hold each process's threads; the
+    ones set, by key."""
+    from async_grpo.placement import check_cpus
+
+    named = {}
+    for key, section in (
+        ("generation", cfg.generation),
+        ("logprob", cfg.logprob),
+        ("trainer", cfg.trainer),
+    ):
+        if section.cpus is not None:
+            where = f"{key}.cpus"
+            named[where] = check_cpus(section.cpus, where, section.threads)
+    return named

@@ -379,6 +379,11 @@ def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
     from async_grpo.models import resolve_model
     from async_grpo.preflight import preflight
 
+    if cfg.ray_address is None:  # every process on this node: no two pools share a core
+        from async_grpo.config_checks import validate_placement
+        from async_grpo.placement import check_disjoint
+
+        check_disjoint(validate_placement(cfg))
     model_dir = str(resolve_model(cfg.model))
     preflight(cfg, model_dir, resume)
     prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format)

@@ -69,17 +69,60 @@ def loop_command(model_dir: Path, out: Path, steps: int, *extra: str) -> list[st
     )
 
 
-def run_loop(model_dir: Path, out: Path, steps: int, *extra: str) -> list[dict]:
+def run_loop(
+    model_dir: Path, out: Path, steps: int, *extra: str, cores: dict | None = None
+) -> list[dict]:
     """`loop_command` run to its end (exit 0 asserted); its console kept in
-    out/console.txt; returns its metrics rows."""
+    out/console.txt; returns its metrics rows. With `cores`, it is filled while the run
+    trains (from its first metrics row on) with the cores each of the run's processes may
+    use, read from outside (`process_cores`)."""
     import json
     import subprocess
 
     cmd = loop_command(model_dir, out, steps, *extra)
-    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    (out / "console.txt").write_text(r.stdout + r.stderr)
+    console = out.parent / f"{out.name}-console.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with console.open("w") as f:
+        proc = subprocess.Popen(cmd, env=plugin_env(), stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the whole-loop run did not end in 900 s"
+            if cores is not None and (out / "training_metrics.jsonl").exists():
+                for role, seen in process_cores(proc.pid).items():
+                    cores.setdefault(role, set()).update(seen)
+            time.sleep(0.2)
+    text = console.read_text()
+    assert proc.returncode == 0, text[-6000:]
+    (out / "console.txt").write_text(text)
     return [json.loads(line) for line in (out / "training_metrics.jsonl").read_text().splitlines()]
+
+
+ROLES = {  # a process of a run, by its command line
+    "generation": lambda cmd: cmd[0].startswith("ray::GenerationWorker"),
+    "logprob": lambda cmd: cmd[0].startswith("ray::LogprobWorker"),
+    # a rank: torchrun starts `python -u -m async_grpo.cli train ...` (its agent runs the
+    # launcher module)
+    "trainer": lambda cmd: "async_grpo.cli" in cmd and "train" in cmd and "-u" in cmd,
+}
+
+
+def process_cores(pid: int) -> dict[str, set[tuple[int, ...]]]:
+    """For each role of `ROLES`: the core sets its live processes under `pid` may run on
+    (each thread's affinity, joined per process)."""
+    import psutil
+
+    from async_grpo.placement import process_cpus
+
+    found: dict[str, set[tuple[int, ...]]] = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+            role = next((r for r, match in ROLES.items() if cmd and match(cmd)), None)
+            if role:
+                found.setdefault(role, set()).add(tuple(sorted(process_cpus(p.pid))))
+        except (psutil.Error, FileNotFoundError, ProcessLookupError):  # gone meanwhile
+            continue
+    return found
 
 
 # `loop_command` overrides for a run one step off-policy: 2 groups a step, one at a time in

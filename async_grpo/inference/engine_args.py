@@ -17,7 +17,8 @@ def vllm_env(cfg: GenerationConfig, device: str) -> dict[str, str]:
     if os.environ.get(VLLM_LORA_OPS_ENV):
         env[VLLM_LORA_OPS_ENV] = os.environ[VLLM_LORA_OPS_ENV]
     if device == "cpu":
-        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # with generation.cpus our binding holds the whole process (placement.py), not vLLM's
+        bind = "nobind" if cfg.cpus else os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env |= {
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(cfg.kv_cache_gib))),
             "VLLM_CPU_OMP_THREADS_BIND": bind,

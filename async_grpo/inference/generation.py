@@ -87,6 +87,7 @@ class GenerationWorker(RegisteredWorker):
         from async_grpo.precision import resolve_dtype
 
         c = self.cfg
+        self.bind_cores(c.cpus, "generation.cpus")
         precision = resolve_dtype(c.dtype, self.device)
         self.dtype = precision.dtype
         print(f"{self.worker_id}: vLLM computes in {precision.describe()}", flush=True)

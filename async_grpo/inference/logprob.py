@@ -66,6 +66,7 @@ class LogprobWorker(RegisteredWorker):
         from async_grpo.core.attention import select_attention
         from async_grpo.precision import resolve_dtype
 
+        self.bind_cores(self.cfg.cpus, "logprob.cpus")
         torch.set_num_threads(self.cfg.threads)
         precision = resolve_dtype(self.cfg.dtype, self.device)
         self.dtype = precision.dtype

@@ -181,6 +181,15 @@ class RegisteredWorker:
             "now": now,
         }
 
+    def bind_cores(self, cpus: str | None, where: str) -> None:
+        """Bind this worker's process to the cores of `cpus` (async_grpo/placement.py), before
+        its engine or model starts threads; None leaves it on any core."""
+        from async_grpo.placement import bind_process, compact, parse_cpus, process_cpus
+
+        if cpus is not None:
+            bind_process(parse_cpus(cpus, where), where)
+            print(f"{self.worker_id}: bound to cores {compact(process_cpus())}", flush=True)
+
     async def ping(self) -> dict[str, Any]:
         return {
             "worker_id": self.worker_id,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from async_grpo.config import RunConfig
 from async_grpo.hooks import Hooks
+from async_grpo.placement import bind_process, parse_cpus
 from async_grpo.trainer.loop import Trainer
 from async_grpo.trainer.push import WeightPusher
 
@@ -59,6 +60,8 @@ def build_trainer(
         device = torch.device("cpu")
         dist.init_process_group(process_group_backend("cpu"), timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if t.cpus is not None:
+        bind_process(parse_cpus(t.cpus, "trainer.cpus"), "trainer.cpus")
     torch.set_num_threads(t.threads)
     torch.manual_seed(cfg.batcher.seed)
     if not verbose:

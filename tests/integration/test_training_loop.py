@@ -8,6 +8,7 @@ which can flip a seeded sample of a near-uniform random model. Exact resume is e
 that engine nondeterminism."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -20,14 +21,22 @@ def _run(tiny_model_dir, out, steps, *extra):
     return run_loop(tiny_model_dir, out, steps, *extra)
 
 
+CORES = sorted(os.sched_getaffinity(0))
+# the engine on the first core, both trainer ranks on the last (docs/placement.md); the
+# log-prob worker left on any core
+PLACED = (f"generation.cpus={CORES[0]}", f"trainer.cpus={CORES[-1]}", "trainer.threads=1")
+SEEN_CORES: dict = {}  # role -> the core sets its processes had while the full run trained
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     """A 4-step run (checkpoints at steps 3 and 4), and step 4 again: a second run resumed
     from the first one's step-3 checkpoint into a folder of its own."""
     base = tmp_path_factory.mktemp("loop")
-    full = _run(tiny_model_dir, base / "full", 4, *SEQUENCE_LEVEL)
+    extra = (*SEQUENCE_LEVEL, *PLACED)
+    full = run_loop(tiny_model_dir, base / "full", 4, *extra, cores=SEEN_CORES)
     step3 = base / "full" / "checkpoints" / "step_3"
-    resumed = _run(tiny_model_dir, base / "resumed", 4, *SEQUENCE_LEVEL, "--resume", str(step3))
+    resumed = _run(tiny_model_dir, base / "resumed", 4, *extra, "--resume", str(step3))
     return full, resumed, base
 
 
@@ -67,6 +76,19 @@ def test_four_steps_train_and_push(runs):
     assert params["world_size"] == 2 and params["trainer"]["num_ranks"] == 2
     hf = base / "full" / "checkpoints" / "step_3" / "hf"
     assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="placement needs two cores")
+def test_engine_and_trainer_ran_on_disjoint_cores(runs):
+    """generation.cpus and trainer.cpus, read from outside through every thread's affinity
+    while the run trained: the engine's threads only on the first core, both ranks' only on
+    the last, the unplaced log-prob worker on any."""
+    assert SEEN_CORES["generation"] == {(CORES[0],)}, SEEN_CORES
+    assert SEEN_CORES["trainer"] == {(CORES[-1],)}, SEEN_CORES
+    assert SEEN_CORES["logprob"] == {tuple(CORES)}, SEEN_CORES
+    *_, base = runs
+    logs = "".join(p.read_text() for p in (base / "full" / "logs").glob("gen-*"))
+    assert f"bound to cores {CORES[0]}" in logs
 
 
 def test_console_is_quiet_and_worker_logs_are_files(runs):
