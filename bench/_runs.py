@@ -48,6 +48,15 @@ def mean(rows: list[dict], key: str) -> float:
     return round(sum(values) / len(values), 4) if values else 0.0
 
 
+def time_to(train: list[dict], target: float, window: int) -> float | None:
+    """Elapsed seconds at the first step whose last `window` steps' mean reward >= target."""
+    rewards = [r["reward/mean"] for r in train]
+    for i in range(window - 1, len(train)):
+        if sum(rewards[i - window + 1 : i + 1]) / window >= target:
+            return round(train[i]["time/elapsed"], 1)
+    return None
+
+
 def thirds(train: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
     """The first, middle and last thirds of a run's training rows."""
     third = max(1, len(train) // 3)

@@ -20,7 +20,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from _runs import mean, run
+from _runs import mean, run, time_to
 
 SETTINGS: dict[str, list[str]] = {  # name -> overrides of the config
     "behaviour": ["trainer.loss.proximal=behaviour"],
@@ -47,15 +47,6 @@ SETTINGS: dict[str, list[str]] = {  # name -> overrides of the config
 EVAL_AT_END = ["eval.every=40", "eval.at_start=false", "sample_every=0"]
 
 
-def time_to(train: list[dict], target: float, window: int = 4) -> float | None:
-    """Elapsed seconds at the first step whose last `window` steps' mean reward >= target."""
-    rewards = [r["reward/mean"] for r in train]
-    for i in range(window - 1, len(train)):
-        if sum(rewards[i - window + 1 : i + 1]) / window >= target:
-            return round(train[i]["time/elapsed"], 1)
-    return None
-
-
 def one_run(config: str, setting: str, seed: int, steps: int, out: Path) -> dict:
     """Run `setting` with `seed`; its figures."""
     from async_grpo.precision import cpu_kind
@@ -72,7 +63,7 @@ def one_run(config: str, setting: str, seed: int, steps: int, out: Path) -> dict
         "commit": commit.stdout.decode().strip(),
         "steps": len(train),
         "wall_s": round(wall, 1),
-        "time_to_0.8_s": time_to(train, 0.8),
+        "time_to_0.8_s": time_to(train, 0.8, window=4),
         "reward_1_2": mean(train[:2], "reward/mean"),
         "reward_9_12": mean(train[8:12], "reward/mean"),
         "reward_31_40": mean(train[30:40], "reward/mean"),
