@@ -185,6 +185,10 @@ class TrainerConfig:
     lr: float = 1e-6
     warmup_steps: int = 0
     max_steps: int = 20
+    stop_at_reward: float | None = (
+        None  # end the run once the last stop_window steps' mean reward reaches it
+    )
+    stop_window: int = 3  # steps in that mean
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     dtype: Dtype = "float32"  # master weights, optimizer state and gradient reduction

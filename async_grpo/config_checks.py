@@ -45,6 +45,7 @@ def check_numbers(cfg: RunConfig) -> None:
         "batcher.max_tokens_per_gpu": b.max_tokens_per_gpu,
         "trainer.num_ranks": t.num_ranks,
         "trainer.max_steps": t.max_steps,
+        "trainer.stop_window": t.stop_window,
         "trainer.lr": t.lr,
         "trainer.push_every": t.push_every,
         "trainer.grad_clip": t.grad_clip,

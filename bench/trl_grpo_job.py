@@ -2,10 +2,14 @@
 
     .venv-trl/bin/python bench/trl_grpo_job.py --spec SPEC.json --out RESULT.json
 
-SPEC.json holds the model folder, the prompt JSONL, the step shape and the precision. The
-reward is async-grpo's own `last_number` function (pure Python, imported from the repo), so
-both sides score samples identically. RESULT.json gets the wall time of `trainer.train()`,
-the samples generated and the mean reward of the first and last step.
+SPEC.json holds the model folder, the prompt JSONL, the step shape, the precision, the seed
+and the race's target. The reward is async-grpo's own `last_number` function (pure Python,
+imported from the repo), so both sides score samples identically. The learning rate is
+constant (TRL's default decays it linearly to 0 over max_steps). Training stops at
+max_steps or after the first step whose last `window` steps' mean reward reaches `target`;
+the final policy is saved to output_dir/final. RESULT.json gets the wall time of
+`trainer.train()`, the steps and samples run, each step's mean reward and elapsed time, and
+the time to the target (null if not reached).
 """
 
 from __future__ import annotations
@@ -53,11 +57,25 @@ def main() -> int:
         ]
 
     rewards: list[float] = []
+    elapsed: list[float] = []
+    reached: list[float] = []
+    window, target = spec["window"], spec["target"]
 
-    class Rewards(TrainerCallback):
-        def on_log(self, _args, _state, _control, logs=None, **_):
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
+    class Race(TrainerCallback):
+        """Each step's reward and time; the stop once the target is reached."""
+
+        def on_train_begin(self, _args, _state, _control, **_):
+            self.t0 = time.perf_counter()
+
+        def on_log(self, _args, _state, control, logs=None, **_):
+            if not (logs and "reward" in logs):
+                return
+            rewards.append(float(logs["reward"]))
+            elapsed.append(time.perf_counter() - self.t0)
+            last = rewards[-window:]
+            if len(last) == window and sum(last) / window >= target and not reached:
+                reached.append(elapsed[-1])
+                control.should_training_stop = True
 
     batch = spec["questions"] * spec["group"]
     cfg = GRPOConfig(
@@ -66,6 +84,7 @@ def main() -> int:
         bf16=spec["bf16"],
         gradient_checkpointing=False,
         learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
         max_steps=spec["steps"],
         num_generations=spec["group"],
         per_device_train_batch_size=batch,
@@ -73,11 +92,11 @@ def main() -> int:
         max_completion_length=spec["max_new_tokens"],
         temperature=spec["temperature"],
         beta=0.0,
-        shuffle_dataset=False,
+        shuffle_dataset=True,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        seed=0,
+        seed=spec["seed"],
         dataloader_num_workers=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
@@ -87,16 +106,22 @@ def main() -> int:
         args=cfg,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Rewards()],
+        callbacks=[Race()],
     )
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
+    final = Path(spec["output_dir"]) / "final"
+    trainer.save_model(str(final))
+    tokenizer.save_pretrained(str(final))
     result = {
         "seconds": seconds,
-        "samples": spec["steps"] * batch,
-        "reward_first": rewards[0] if rewards else None,
-        "reward_last": rewards[-1] if rewards else None,
+        "steps": len(rewards),
+        "samples": len(rewards) * batch,
+        "rewards": rewards,
+        "elapsed": elapsed,
+        "time_to_target_s": reached[0] if reached else None,
+        "final": str(final),
     }
     Path(args.out).write_text(json.dumps(result))
     return 0

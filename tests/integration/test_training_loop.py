@@ -186,11 +186,15 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
     the batcher sends nothing (no forward/backward at all) and the trainer's counts still
     agree with the batcher's. Two spare groups a step cannot help (their rewards are equal
     too, or they are cancelled in the engine when the step is packed): their samples are
-    counted unused and the books balance; nor can a redraw (dynamic sampling, bound 1)."""
+    counted unused and the books balance; nor can a redraw (dynamic sampling, bound 1).
+    Its mean reward of 0 reaches `trainer.stop_at_reward: 0` over 2 steps: the run of 4
+    steps ends after step 2, with its checkpoint."""
     metrics = _run(
         tiny_model_dir,
         tmp_path / "flat",
-        2,
+        4,
+        "trainer.stop_at_reward=0.0",
+        "trainer.stop_window=2",
         "trainer.loss.kl_coef=0.0",
         "verifier.rewards=[exact]",
         "trainer.save_every=0",
@@ -208,6 +212,12 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
         assert m["samples/unaccounted"] == 0 and m["samples/requested"] == 24
         assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
         assert m["minibatches"] == 0  # a round empty on every rank is never run
+    saved = sorted(p.name for p in (tmp_path / "flat" / "checkpoints").glob("step_*"))
+    assert saved == ["step_2"]
+    assert (
+        "trainer.stop_at_reward reached at step 2"
+        in (tmp_path / "flat" / "console.txt").read_text()
+    )
 
 
 @pytest.mark.parametrize(
