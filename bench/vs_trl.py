@@ -48,6 +48,7 @@ CLI = [sys.executable, "-m", "async_grpo.cli"]
 
 def run_trl(args: argparse.Namespace, seed: int, model_dir: str, data: Path, work: Path) -> dict:
     subprocess.run(["bash", str(ROOT / "bench" / "setup_trl.sh")], check=True)
+    work.mkdir(parents=True, exist_ok=True)
     spec = {
         "model": model_dir,
         "data": str(data),
