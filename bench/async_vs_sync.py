@@ -19,7 +19,9 @@ not run again), naming the CPU's kind; the table gives per run: the training tim
 time of the whole command, time to a training reward of 0.8 (the first step whose last 3
 steps average 0.8), the reward over steps 31-40, held-out greedy accuracy at version 40, the
 trainer's idle share and the generation pool's busy share, the mean staleness, and each
-run's speed-up over the synchronous run of its placement. The plot draws the 3-step mean
+run's speed-up over the synchronous run of its placement, and what its own work allows
+(`work_bound`: the sum of each step's generation and training against the sum of their
+maxima, a perfect pipeline). The plot draws the 3-step mean
 reward against training time, one panel per placement. The physical limit of the speed-up
 on two cores is 2x (both sides always busy).
 """
@@ -73,10 +75,39 @@ def one_run(config: str, placement: str, lag: int, steps: int, out: Path) -> dic
         "reward_31_40": mean(train[30:40], "reward/mean"),
         "heldout_40": round(heldout[-1]["eval/pass_at_1"], 4) if heldout else None,
         **idle_summary(train),
+        **work_bound(folder),
         "staleness": mean(train, "staleness/mean"),
         "curve": [
             [round(r["time/elapsed"], 1), round(s, 4)] for r, s in zip(train, smooth, strict=True)
         ],
+    }
+
+
+def work_bound(folder: Path) -> dict:
+    """What a run's own work allows (from its timeline.jsonl): per step, the generation
+    pool's busy seconds g and the trainer's working seconds t (train, push, save). Taking
+    turns costs the sum of g + t over the steps; a perfect two-stage pipeline (each step's
+    generation entirely beside the training of the step before) costs the sum of max(g, t).
+    Their quotient is the most any lag can gain with this work on these cores."""
+    from async_grpo.timeline import read_timeline
+
+    gen: dict[int, float] = {}
+    work: dict[int, float] = {}
+    for s in read_timeline(folder):
+        seconds = s["end"] - s["start"]
+        if s["lane"].startswith("gen-"):
+            gen[s["step"]] = gen.get(s["step"], 0.0) + seconds
+        elif s["lane"] == "trainer" and s["what"] in ("train", "push", "save"):
+            work[s["step"]] = work.get(s["step"], 0.0) + seconds
+    steps = sorted(set(gen) | set(work))
+    turns = sum(gen.get(k, 0.0) + work.get(k, 0.0) for k in steps)
+    pipelined = sum(max(gen.get(k, 0.0), work.get(k, 0.0)) for k in steps)
+    return {
+        "generation_s": round(sum(gen.values()), 1),
+        "trainer_work_s": round(sum(work.values()), 1),
+        "turns_s": round(turns, 1),
+        "pipelined_s": round(pipelined, 1),
+        "bound": round(turns / pipelined, 2),
     }
 
 
@@ -94,14 +125,14 @@ def speedups(results: list[dict]) -> dict[tuple[str, int], float | None]:
 def table(results: list[dict]) -> str:
     """A Markdown table, one row per run."""
     cols = ["train_s", "wall_s", "time_to_0.8_s", "reward_31_40", "heldout_40"]
-    cols += ["idle_fraction", "generation_busy_fraction", "staleness"]
+    cols += ["idle_fraction", "generation_busy_fraction", "staleness", "pipelined_s", "bound"]
     lines = [
         "| placement | lag | " + " | ".join(cols) + " | speed-up over lag 0 |",
         "|---" * (len(cols) + 3) + "|",
     ]
     ups = speedups(results)
     for r in results:
-        cells = ["-" if r[c] is None else f"{r[c]:.4g}" for c in cols]
+        cells = ["-" if r.get(c) is None else f"{r[c]:.4g}" for c in cols]
         up = ups[(r["placement"], r["lag"])]
         lines.append(
             f"| {r['placement']} | {r['lag']} | " + " | ".join(cells) + f" | {up or '-'}x |"
@@ -148,7 +179,12 @@ def main() -> None:
     p.add_argument("--results", default="docs/async-runs/runs.jsonl")
     p.add_argument("--table", action="store_true", help="print the table and run nothing")
     p.add_argument("--plot", help="draw the recorded runs to this PNG or SVG")
+    p.add_argument("--bound", nargs="+", metavar="RUN_DIR", help="print `work_bound` of runs")
     args = p.parse_args()
+    if args.bound:
+        for folder in args.bound:
+            print(json.dumps({"run": folder, **work_bound(Path(folder))}))
+        return
     path = Path(args.results)
     results = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     if not args.table:
