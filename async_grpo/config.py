@@ -49,9 +49,7 @@ class GenerationConfig:
     enforce_eager: bool = True  # on CPU: ~60 s start instead of ~200 s, ~half the tok/s
     tensor_parallel_size: int = 1
     threads: int = 1  # CPU threads per engine
-    cpus: str | None = (
-        None  # cores the engines may run on ("0", "0-3"); None: any (docs/placement.md)
-    )
+    cpus: str | None = None  # cores of the engines ("0", "0-3"); None: any (docs/placement.md)
     seed: int = 0
     weight_transport: Literal["auto", "broadcast"] = "auto"
     weight_update: Literal["wait", "in_flight"] = "wait"
@@ -185,9 +183,7 @@ class TrainerConfig:
     lr: float = 1e-6
     warmup_steps: int = 0
     max_steps: int = 20
-    stop_at_reward: float | None = (
-        None  # end the run once the last stop_window steps' mean reward reaches it
-    )
+    stop_at_reward: float | None = None  # end once the last stop_window steps' mean reaches it
     stop_window: int = 3  # steps in that mean
     weight_decay: float = 0.0
     grad_clip: float = 1.0
