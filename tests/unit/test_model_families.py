@@ -66,7 +66,9 @@ def _fp64_truth(model_dir, samples) -> tuple[list[torch.Tensor], float]:
     if key not in _truth:
         fp64, fp32 = _reference(model_dir, torch.float64), _reference(model_dir)
         truth = [_alone(fp64, s).float() for s in samples]
-        spread = max((_alone(fp32, s) - t).abs().max().item() for s, t in zip(samples, truth))
+        spread = max(
+            (_alone(fp32, s) - t).abs().max().item() for s, t in zip(samples, truth, strict=True)
+        )
         _truth[key] = truth, max(4 * spread, 1e-5)
         del fp64
     return _truth[key]
@@ -135,7 +137,7 @@ def test_packed_logprobs_equal_each_sequence_alone(
     assert batch.needs_explicit_mask == share_prompts
     with torch.no_grad():
         logp, _ = policy(batch, False)  # [T]
-    for i, s in enumerate(samples):
+    for i in range(len(samples)):
         mine = logp[(batch.sample_index == i) & batch.loss_mask]  # [C]
         err = (mine - truth[i]).abs().max().item()
         assert err < tolerance, (i, err, tolerance)
