@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from async_grpo.errors import UserError
+from async_grpo.text import NOT_UNICODE, not_unicode, read_text
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # "auto": bf16 where the process's device computes it natively, else fp32 (precision.py)
@@ -279,11 +280,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(read_text(path)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
+        bad = not_unicode(raw)
+        if bad is not None:
+            raise ConfigError(f"{path}: {bad}: {NOT_UNICODE}")
     for item in overrides:
         apply_override(raw, item)
     if "tensorboard" in raw:  # moved into the trackers section

@@ -23,6 +23,7 @@ from async_grpo.errors import UserError
 from async_grpo.sinks.base import MetricsSink
 from async_grpo.sinks.base import warn as _warn
 from async_grpo.sinks.select import open_sinks
+from async_grpo.text import text_lines
 
 if TYPE_CHECKING:
     from async_grpo.config import TrackersConfig
@@ -183,8 +184,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: metrics file not found")
-    with path.open(encoding="utf-8") as f:
-        lines = f.readlines()
+    lines = list(text_lines(path))
     rows = []
     for lineno, text in enumerate(lines, start=1):
         if not text.strip():

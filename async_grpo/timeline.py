@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.errors import UserError
+from async_grpo.text import text_lines
 
 TIMELINE_FILE = "timeline.jsonl"
 MIN_SPAN_S = 1e-3  # shorter spans (a wait that found its minibatch ready) are not kept
@@ -93,7 +94,7 @@ def read_timeline(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{path}: no such file (a run writes {TIMELINE_FILE} in its output_dir)")
     spans = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = list(text_lines(path))
     for lineno, line in enumerate(lines, 1):
         try:
             row = json.loads(line)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.errors import UserError
+from async_grpo.text import NOT_UNICODE, not_unicode, text_lines
 
 
 class DataError(UserError):
@@ -51,6 +52,9 @@ def parse_line(text: str, where: str, lineno: int) -> Prompt:
         raise DataError(f"{loc}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}")
+    bad = not_unicode(row)
+    if bad is not None:
+        raise DataError(f"{loc}: field '{bad}': {NOT_UNICODE}")
     for key in ("input", "answer"):
         if key not in row:
             raise DataError(f"{loc}: field '{key}': missing (required: input, answer)")
@@ -83,10 +87,9 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if text.strip():
-                prompts.append(parse_line(text, str(path), lineno))
+    for lineno, text in enumerate(text_lines(path), start=1):
+        if text.strip():
+            prompts.append(parse_line(text, str(path), lineno))
     if not prompts:
         raise DataError(f"{path}: no prompts (the file is empty)")
     return prompts

@@ -127,3 +127,52 @@ def test_lora_targets_the_model_does_not_have(tmp_path):
 def test_lora_settings_out_of_range(tmp_path, override, words):
     rank = [] if "rank=" in override else ["trainer.lora.rank=8"]
     _refused(_run(tmp_path, *rank, override), *words)
+
+
+# Text that is not UTF-8 (a byte 0xe9 on line 2) or not valid Unicode (a lone surrogate,
+# valid JSON and YAML as the escape \ud800), in every file the CLI reads
+NOT_UTF8 = b'{"input": "2 + 2", "answer": "4"}\n{"input": "caf\xe9", "answer": "1"}\n'
+SURROGATE = b'{"input": "2 + 2", "answer": "4"}\n{"input": "x", "answer": "\\ud800"}\n'
+
+
+@pytest.mark.parametrize(
+    "key, content, words",
+    [
+        ("data", NOT_UTF8, (":2: not UTF-8: byte 0xe9 at column 15 (byte 48 of the file)",)),
+        ("eval.data", SURROGATE, (":2: field 'answer': not valid Unicode",)),
+    ],
+)
+def test_data_that_is_not_unicode(tmp_path, key, content, words):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    _refused(_run(tmp_path, f"{key}={path}"), str(path), *words)
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"model: smollm2-135m\n# caf\xe9\n", (":2: not UTF-8: byte 0xe9 at column 6",)),
+        (b'model: smollm2-135m\nrun_name: "\\ud800"\n', (": run_name: not valid Unicode",)),
+    ],
+)
+def test_a_config_that_is_not_unicode(tmp_path, content, words):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(content)
+    cmd = [*run_command("arithmetic.yaml")[:-1], str(path)]
+    _refused(subprocess.run(cmd, capture_output=True, text=True, timeout=120), str(path), *words)
+
+
+def test_files_of_the_other_commands_that_are_not_utf8(tmp_path):
+    """`data check`, `plot` and `timeline` read files a user names: the same one line."""
+    import sys
+
+    (tmp_path / "m.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\n{"step": 2, "x\xff": 1}\n')
+    (tmp_path / "d.jsonl").write_bytes(NOT_UTF8)
+    out = str(tmp_path / "out.png")
+    for argv, where in [
+        (["data", "check", str(tmp_path / "d.jsonl")], "d.jsonl:2: not UTF-8"),
+        (["plot", str(tmp_path / "m.jsonl"), "-v", "loss", "-o", out], "m.jsonl:2: not UTF-8"),
+        (["timeline", str(tmp_path / "m.jsonl"), "-o", out], "m.jsonl:2: not UTF-8"),
+    ]:
+        cmd = [sys.executable, "-m", "async_grpo.cli", *argv]
+        _refused(subprocess.run(cmd, capture_output=True, text=True, timeout=60), where)
