@@ -10,7 +10,8 @@ never re-tokenised: the model's tokens go in as sampled (their sampler log-probs
 mask True), the environment's as `TurnFormat` renders them (log-prob 0.0, mask False: the
 loss treats them as context, like the prompt). An environment that raises, hangs, returns
 garbage or dies ends its episode with reward 0 and a counted reason; the group is still
-scored. The instances are released however the group ends.
+scored. An observation that is not valid Unicode (lone surrogates) goes in with each of
+them replaced by U+FFFD, and is counted. The instances are released however the group ends.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from async_grpo.environments import Task, get_environment
 from async_grpo.environments.pool import EnvironmentFailed
 from async_grpo.environments.turns import TurnFormat
 from async_grpo.inference.types import PoolUnavailable, SamplingSettings
+from async_grpo.text import valid_text
 
 CALL_SLACK_S = 30.0  # a worker's own timeout fires first; this bounds a silent worker
 
@@ -51,6 +53,7 @@ class _Episode:
     steps: int = 0
     step_s: float = 0.0
     cut_observations: int = 0
+    not_unicode_observations: int = 0  # held lone surrogates, replaced by U+FFFD
     info: Counter = field(default_factory=Counter)
 
     def add(self, ids: list[int], logprobs: list[float] | None, versions: list[int]) -> None:
@@ -73,6 +76,7 @@ class _Episode:
             "env_step_s": self.step_s,
             "env_errors": float(bool(self.error)),
             "observation_cut": float(self.cut_observations),
+            "observation_not_unicode": float(self.not_unicode_observations),
         }
         if self.error:
             out[f"env_errors/{self.error}"] = 1.0
@@ -221,7 +225,9 @@ class EpisodeRunner:
                 break
             if turn + 1 == self.max_turns:
                 break
-            between, cut = self.format.between(result.observation, self.format.closed(c.token_ids))
+            observation, replaced = valid_text(result.observation)
+            ep.not_unicode_observations += bool(replaced)
+            between, cut = self.format.between(observation, self.format.closed(c.token_ids))
             ep.cut_observations += cut
             if len(ep.ids) + len(between) >= self.budget or len(ids) + len(between) >= max_len:
                 break  # no room left for another model turn

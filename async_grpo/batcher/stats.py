@@ -99,6 +99,7 @@ def episode_stats(episodes: list[dict[str, float]]) -> dict[str, float]:
         "env/step_time": total("env_step_s") / steps if steps else 0.0,
         "env/errors": total("env_errors"),
         "env/observations_cut": total("observation_cut"),
+        "env/observations_not_unicode": total("observation_not_unicode"),
     }
     for key in sorted({k for e in episodes for k in e}):
         if key.startswith("info/"):

@@ -26,6 +26,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
+from async_grpo.text import not_unicode
+
 
 @dataclass
 class Task:
@@ -82,9 +84,13 @@ def checked(result: Any, where: str) -> StepResult:
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise BadStep(f"{where}: reward {reward!r} is not a finite number")
     info = result.info
-    if not isinstance(info, dict) or not all(
-        isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
-        for k, v in info.items()
+    if (
+        not isinstance(info, dict)
+        or not all(
+            isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
+            for k, v in info.items()
+        )
+        or not_unicode(list(info)) is not None  # its keys name metrics
     ):
-        raise BadStep(f"{where}: info must map str to finite numbers, got {info!r}")
+        raise BadStep(f"{where}: info must map str (valid Unicode) to finite numbers, got {info!r}")
     return result

@@ -44,14 +44,14 @@ import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from async_grpo.environments.base import Environment, StepResult, Task, checked
+from async_grpo.environments.base import BadStep, Environment, StepResult, Task, checked
 from async_grpo.environments.registry import get_environment
 from async_grpo.errors import UserError
+from async_grpo.text import read_text
 
 MAX_BODY_BYTES = 1 << 20
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
@@ -81,12 +81,16 @@ class HttpEnvironment(Environment):
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.loads(response.read(MAX_BODY_BYTES + 1)[:MAX_BODY_BYTES])
+                raw = response.read(MAX_BODY_BYTES + 1)[:MAX_BODY_BYTES]
         except urllib.error.HTTPError as e:
             detail = e.read(500).decode(errors="replace")
             raise RuntimeError(f"{self.url}{path}: HTTP {e.code}: {detail}") from None
+        try:
+            answer = json.loads(raw)
+        except ValueError as e:  # not JSON, or bytes that are not UTF-8
+            raise BadStep(f"{self.url}{path}: answered {type(e).__name__}: {e}") from None
         if not isinstance(answer, dict):
-            raise ValueError(f"{self.url}{path}: answered {type(answer).__name__}, not an object")
+            raise BadStep(f"{self.url}{path}: answered {type(answer).__name__}, not an object")
         return answer
 
     def reset(self, task: Task) -> None:
@@ -367,7 +371,7 @@ def read_token(token_file: str | None) -> str | None:
     """The shared token: the file's text if given, else ASYNC_GRPO_ENV_TOKEN, else None."""
     if token_file is not None:
         try:
-            token, where = Path(token_file).read_text().strip(), f"--token-file {token_file}"
+            token, where = read_text(token_file).strip(), f"--token-file {token_file}"
         except OSError as e:
             raise UserError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import http.server
 import json
 import os
 import socket
@@ -155,6 +156,9 @@ def test_token_sources_and_their_checks(tmp_path, monkeypatch):
         read_token(str(tmp_path / "t"))
     with pytest.raises(UserError, match="cannot read"):
         read_token(str(tmp_path / "missing"))
+    (tmp_path / "t").write_bytes(b"0123456789abcdef\xff\n")
+    with pytest.raises(UserError, match=r"t:1: not UTF-8: byte 0xff at column 17"):
+        read_token(str(tmp_path / "t"))
     with pytest.raises(UserError, match="no token is set"):
         make_server("calculator", "0.0.0.0")
     make_server("calculator", "0.0.0.0", token=TOKEN).server_close()
@@ -332,6 +336,61 @@ def test_an_idle_session_expires_and_is_closed_while_a_busy_one_stays():
         assert idle not in server.sessions and busy in server.sessions
         assert CLOSED == ["idle"] and server.expired == 1
         assert post(server, "/step", {"session": idle, "action": "x"})[0] == 404
+
+
+@environment("test_env_server_lone_surrogate")
+class LoneSurrogate(Environment):
+    def step(self, action: str) -> StepResult:
+        return StepResult("6\ud800", 0.0, False)
+
+
+class NotUtf8(http.server.BaseHTTPRequestHandler):
+    """A server that answers a step with bytes that are not UTF-8."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        answers = {"/reset": b'{"session": "s"}', "/close": b'{"closed": true}'}
+        body = answers.get(self.path, b'{"observation": "caf\xe9", "reward": 0, "done": false}')
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_observations_that_are_not_unicode_cross_the_wire_or_are_bad_output():
+    """A lone surrogate crosses as a JSON escape and comes out as it went in (the batcher
+    replaces it where the observation enters the episode: test_episodes); an answer whose
+    bytes are not UTF-8 is the step's bad_output."""
+    from async_grpo.config import EnvironmentConfig
+    from async_grpo.environments.pool import EnvironmentFailed, EnvironmentWorker
+
+    with running("test_env_server_lone_surrogate") as server:
+        env = HttpEnvironment(f"http://127.0.0.1:{server.server_address[1]}")
+        env.reset(Task("q", "a"))
+        assert env.step("x").observation == "6\ud800"
+        env.close()
+    raw = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotUtf8)
+    threading.Thread(target=raw.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{raw.server_address[1]}"
+    worker = EnvironmentWorker(EnvironmentConfig(name="calculator", url=url, step_timeout_s=5))
+
+    async def step() -> EnvironmentFailed:
+        (iid,) = await worker.acquire([Task("q", "a")])
+        with pytest.raises(EnvironmentFailed) as failed:
+            await worker.step(iid, "x")
+        await worker.release([iid])
+        return failed.value
+
+    try:
+        failed = asyncio.run(step())
+    finally:
+        raw.shutdown()
+        raw.server_close()
+    assert failed.reason == "bad_output" and "UnicodeDecodeError" in str(failed)
+    assert worker.live() == 0
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -348,3 +348,48 @@ def test_an_episode_keeps_the_version_of_each_token(tokenizer):
         model_tokens = [v for v, m in zip(versions, mask, strict=True) if m]
         assert token_staleness(1, [s]) == sum(1 - v for v in model_tokens) / len(model_tokens)
     assert batch_stats(1, [group], 0.0)["samples/mixed_versions"] == 1.0
+
+
+@environment("test_not_unicode")
+class NotUnicode(Environment):
+    """Its first observation, by task metadata `mode`: a lone surrogate, bytes that are
+    not UTF-8 read with surrogateescape (as `os.fsdecode` or a subprocess gives them),
+    or the raw bytes themselves."""
+
+    def reset(self, task):
+        self.mode, self.steps = task.metadata["mode"], 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > 1:
+            return StepResult("", 1.0, True)
+        observation = {
+            "surrogate": "1 * 6\ud800",
+            "escaped": b"1 * 6 caf\xe9".decode("utf-8", "surrogateescape"),
+            "bytes": b"1 * 6 caf\xe9",
+        }[self.mode]
+        return StepResult(observation, 0.0, False)
+
+
+@pytest.mark.parametrize(
+    ("mode", "shown"),
+    [("surrogate", "1 * 6\ufffd"), ("escaped", "1 * 6 caf\ufffd"), ("bytes", None)],
+)
+def test_an_observation_that_is_not_unicode_is_replaced_and_counted(tokenizer, mode, shown):
+    """The tokenizer raises TypeError on a lone surrogate: each one goes in as U+FFFD and
+    the observation is counted; bytes are not a str observation: bad_output."""
+    from async_grpo.batcher.stats import episode_stats
+
+    prompt = replace(_prompt(tokenizer, 2, 3), metadata={"mode": mode})
+    group, worker = _group(_cfg("test_not_unicode"), tokenizer, ScriptedModel(tokenizer), prompt)
+    stats = episode_stats([s.episode for s in group])
+    if shown is None:
+        assert stats["env/errors/bad_output"] == 3 and all(s.reward == 0.0 for s in group)
+    else:
+        assert stats["env/observations_not_unicode"] == 3 and stats["env/errors"] == 0
+        for s in group:
+            env_text = tokenizer.decode(
+                [t for t, m in zip(s.completion_ids, s.completion_mask, strict=True) if not m]
+            )
+            assert f"user\n{shown}<|im_end|>" in env_text and s.reward == 1.0
+    assert worker.live() == 0

@@ -1,4 +1,4 @@
-"""The text helpers every reader uses: the line and byte of the first byte that is not
+"""The text functions every reader uses: the line and byte of the first byte that is not
 UTF-8, the place of a lone surrogate in parsed values, and untrusted strings made valid."""
 
 import pytest
