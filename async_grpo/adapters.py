@@ -86,19 +86,28 @@ def write_adapter(
     folder: Path, tensors: dict[str, Tensor], config: dict[str, Any], base: str | None = None
 ) -> Path:
     """A PEFT adapter folder (`adapter_model.safetensors` by PEFT's saved names, and
-    `adapter_config.json`), which PEFT and vLLM's LoRA loader read. Written under
-    temporary names and renamed, so a reader never finds half a file."""
+    `adapter_config.json`), which PEFT and vLLM's LoRA loader read. Each file is written
+    under a temporary name of this call's own and renamed, so a reader never finds half a
+    file, and writers of the same folder at once (the tensor-parallel workers of one
+    engine, each with the same adapter) never write into one another's file."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(config, base_model_name_or_path=base)
-    tmp = folder / (ADAPTER_FILE + ".tmp")
+    tmp = _own_temporary(folder, ADAPTER_FILE)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     os.replace(tmp, folder / ADAPTER_FILE)
-    tmp = folder / (ADAPTER_CONFIG + ".tmp")
+    tmp = _own_temporary(folder, ADAPTER_CONFIG)
     tmp.write_text(json.dumps(cfg, indent=1, sort_keys=True))
     os.replace(tmp, folder / ADAPTER_CONFIG)
     return folder
+
+
+def _own_temporary(folder: Path, name: str) -> Path:
+    """A name in `folder` that no other writer is given (`name.<random>.tmp`)."""
+    import uuid
+
+    return folder / f"{name}.{uuid.uuid4().hex}.tmp"
 
 
 def read_adapter_config(folder: str | Path) -> dict[str, Any]:

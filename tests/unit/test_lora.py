@@ -288,3 +288,33 @@ def test_a_tied_head_stays_out_of_the_adapter_state(tmp_path, smollm2_dir):
         model_sd, _ = _model_and_optim(policy, opt)
     assert state and all(".lora_" in k for k in state), sorted(state)[:3]
     assert model_sd and all(adapters.is_adapter(k) for k in model_sd), sorted(model_sd)[:3]
+
+
+def test_writers_of_one_adapter_folder_at_once_never_meet(tmp_path):
+    """The tensor-parallel workers of one engine each write the pushed adapter to the same
+    folder: each file goes under a temporary name of its writer's own, then is renamed (with
+    one shared temporary name, a writer renamed away the other's file, or installed it half
+    written)."""
+    import threading
+
+    tensors = {adapter_file_name("model.layers.0.mlp.down_proj.lora_A.default.weight"): (
+        torch.randn(4, 128)
+    )}  # fmt: skip
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(30):
+                adapters.write_adapter(tmp_path / "a", tensors, {"r": 4, "lora_alpha": 8})
+        except BaseException as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    got, config = adapters.read_adapter(tmp_path / "a")
+    assert torch.equal(next(iter(got.values())), next(iter(tensors.values())))
+    assert config["r"] == 4 and not list((tmp_path / "a").glob("*.tmp"))
