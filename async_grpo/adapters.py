@@ -41,7 +41,13 @@ def peft_config(cfg: LoraConfig) -> Any:
 
 def inject(hf: nn.Module, cfg: LoraConfig) -> Any:
     """Add the adapters to `hf` in place (on any device, meta included); every other
-    parameter is frozen. Returns PEFT's config with the target modules resolved."""
+    parameter is frozen. Returns PEFT's config with the target modules resolved.
+
+    Only the decoder layers' linear modules take an adapter: the trainer computes the LM
+    head from its base weight (core/logprobs.py, chunked), so an adapter there would never
+    train and the log-probs would not be the adapted model's; vLLM and the checkpoint
+    loader take none on the embedding either. A target PEFT places anywhere else is a
+    `ValueError` naming it."""
     from peft import inject_adapter_in_model
 
     config = peft_config(cfg)
@@ -49,9 +55,50 @@ def inject(hf: nn.Module, cfg: LoraConfig) -> Any:
         inject_adapter_in_model(config, hf, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # no module matches the targets
         raise ValueError(f"trainer.lora.target_modules: {e}") from None
+    outside = outside_decoder_layers(hf)
+    if outside:
+        raise ValueError(
+            f"trainer.lora.target_modules: {', '.join(outside[:3])}"
+            f"{f' (and {len(outside) - 3} more)' if len(outside) > 3 else ''} is not a linear"
+            " module of the decoder layers; only the decoder layers' linear modules are"
+            " supported (the LM head and the embedding are computed from their base weights)"
+        )
     for name, p in hf.named_parameters():
         p.requires_grad_(is_adapter(name))
     return config
+
+
+def adapted_modules(hf: nn.Module) -> list[str]:
+    """The names of the modules that carry an adapter (PEFT's LoRA layers), in order."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [name for name, m in hf.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def outside_decoder_layers(hf: nn.Module) -> list[str]:
+    """The adapted modules that are not linear modules under the decoder's layers
+    (`hf.get_decoder()`'s module list of `num_hidden_layers` blocks)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = _decoder_layers(hf)
+    prefix = next(name for name, m in hf.named_modules() if m is layers) + "."
+    return [
+        name
+        for name, m in hf.named_modules()
+        if isinstance(m, BaseTunerLayer)
+        and not (name.startswith(prefix) and isinstance(m.get_base_layer(), nn.Linear))
+    ]
+
+
+def _decoder_layers(hf: nn.Module) -> nn.Module:
+    """The decoder's blocks: the first module list under `get_decoder()` with one entry per
+    hidden layer."""
+    decoder = hf.get_decoder()
+    count = getattr(hf.config.get_text_config(), "num_hidden_layers", None)
+    for module in decoder.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count:
+            return module
+    raise ValueError(f"{type(hf).__name__}: no list of {count} decoder layers found")
 
 
 def is_adapter(name: str) -> bool:

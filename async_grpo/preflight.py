@@ -28,14 +28,18 @@ def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None
 
 
 def check_lora_targets(cfg: RunConfig, model_dir: Path) -> None:
-    """`trainer.lora.target_modules` names layers of this model: PEFT places its adapters
-    on the model built on the meta device (no weight is read)."""
+    """`trainer.lora.target_modules` names linear modules of this model's decoder layers:
+    PEFT places its adapters on the model built on the meta device (no weight is read)."""
+    import warnings
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from async_grpo.adapters import inject
 
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        # PEFT warns about targets (a tied head) that are refused here in one line anyway
+        warnings.simplefilter("ignore")
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         try:
             inject(hf, cfg.trainer.lora)

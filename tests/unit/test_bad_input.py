@@ -176,3 +176,13 @@ def test_files_of_the_other_commands_that_are_not_utf8(tmp_path):
     ]:
         cmd = [sys.executable, "-m", "async_grpo.cli", *argv]
         _refused(subprocess.run(cmd, capture_output=True, text=True, timeout=60), where)
+
+
+@pytest.mark.parametrize(
+    "targets, named", [("lm_head", "lm_head"), ("embed_tokens", "model.embed_tokens")]
+)
+def test_lora_targets_outside_the_decoder_layers(tmp_path, targets, named):
+    """An adapter on the LM head would never train (the trainer's chunked head multiplies
+    by the base weight), one on the embedding failed to load after Ray had started."""
+    r = _run(tmp_path, "trainer.lora.rank=8", f"trainer.lora.target_modules=[{targets}]")
+    _refused(r, f"trainer.lora.target_modules: {named} ", "only the decoder layers' linear")

@@ -290,6 +290,32 @@ def test_a_tied_head_stays_out_of_the_adapter_state(tmp_path, smollm2_dir):
     assert model_sd and all(adapters.is_adapter(k) for k in model_sd), sorted(model_sd)[:3]
 
 
+def _meta_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+@pytest.mark.parametrize(
+    "targets, named",
+    [
+        (["lm_head"], "lm_head"),  # the chunked head multiplies by the base weight alone
+        (["embed_tokens"], "model.embed_tokens"),
+        (["q_proj", "lm_head"], "lm_head"),
+    ],
+)
+def test_adapters_outside_the_decoder_layers_are_refused(model_dir, targets, named):
+    """Wherever PEFT would place an adapter outside the decoder layers' linear modules, the
+    model is refused (the trainer would never train it): found on the model, not by name."""
+    with pytest.raises(ValueError, match="only the decoder layers' linear modules") as e:
+        adapters.inject(_meta_model(model_dir), replace(LORA, target_modules=targets))
+    assert str(e.value).startswith(f"trainer.lora.target_modules: {named} ")
+    hf = _meta_model(model_dir)
+    adapters.inject(hf, replace(LORA, target_modules=["all-linear"]))  # every layer's own
+    assert len(adapters.adapted_modules(hf)) == 7 * 2
+
+
 def test_writers_of_one_adapter_folder_at_once_never_meet(tmp_path):
     """The tensor-parallel workers of one engine each write the pushed adapter to the same
     folder: each file goes under a temporary name of its writer's own, then is renamed (with
