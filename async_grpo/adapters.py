@@ -101,6 +101,46 @@ def _decoder_layers(hf: nn.Module) -> nn.Module:
     raise ValueError(f"{type(hf).__name__}: no list of {count} decoder layers found")
 
 
+def lora_settings(cfg: LoraConfig, hf: nn.Module) -> dict[str, Any]:
+    """What makes one LoRA policy's function differ from another's on the same base: the
+    rank, alpha, dropout and the adapted modules (the targets as PEFT resolved them on
+    `hf`, so `[all-linear]` and the same modules named one by one are equal). A
+    checkpoint records it; a resume with other settings is refused."""
+    return {
+        "rank": cfg.rank,
+        "alpha": float(cfg.alpha),
+        "dropout": float(cfg.dropout),
+        "target_modules": sorted(adapted_modules(hf)),
+    }
+
+
+def base_model_record(model_dir: str | Path) -> str:
+    """How an adapter names its base model (`base_model_name_or_path`): a prepared model's
+    name (`smollm2-135m`: found again on any machine), else the folder's absolute path
+    (found from any working directory)."""
+    from async_grpo.models import PREPARED, cache_dir
+
+    path = Path(model_dir).expanduser().resolve()
+    for name in PREPARED:
+        if path == (cache_dir() / "models" / name).expanduser().resolve():
+            return name
+    return str(path)
+
+
+def base_model_dir(adapter: str | Path, recorded: str | None) -> Path:
+    """The base model of the adapter folder `adapter`, from what its config records (a
+    prepared model's name or a folder); `UserError` if it is not found."""
+    from async_grpo.errors import UserError
+    from async_grpo.models import resolve_model
+
+    if not recorded:
+        raise UserError(f"{adapter}: the adapter names no base model (base_model_name_or_path)")
+    try:
+        return resolve_model(recorded)
+    except UserError as e:
+        raise UserError(f"{adapter}: the adapter's base model is not found ({e})") from None
+
+
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` is one of the trained factors."""
     return ".lora_A." in name or ".lora_B." in name

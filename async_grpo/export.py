@@ -2,10 +2,11 @@
 folder that transformers and vLLM load like any other model.
 
 In: a checkpoint of a LoRA run (`step_N/`, or its `adapter/` folder); the base model is the
-one the adapter's config names (`base_model_name_or_path`, written by the trainer) unless
-`--base` gives another. Out: OUT/ with `model.safetensors` (every adapted weight
-`W + (alpha / r) * B @ A`, summed in fp32, stored in `--dtype`) and the base's config and
-tokenizer files. OUT is written under a temporary name and renamed: it is whole or absent.
+one the adapter's config names (`base_model_name_or_path`, written by the trainer: a
+prepared model's name or an absolute path) unless `--base` gives another. Out: OUT/ with
+`model.safetensors` (every adapted weight `W + (alpha / r) * B @ A`, summed in fp32, stored
+in `--dtype`) and the base's config and tokenizer files. OUT is written under a temporary
+name and renamed: it is whole or absent.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from async_grpo.adapters import is_adapter_dir, merge_folder, read_adapter
+from async_grpo.adapters import base_model_dir, is_adapter_dir, merge_folder, read_adapter
 from async_grpo.errors import UserError
 
 
@@ -55,12 +56,15 @@ def export_merged(source: Path, out: Path, base: str | None = None, dtype: str =
     if out.exists():
         raise UserError(f"export: {out} exists; name a new folder")
     adapter, config = read_adapter(folder)
-    base_dir = Path(base or config.get("base_model_name_or_path") or "")
-    if not (base_dir / "config.json").is_file():
-        raise UserError(
-            f"export: base model {str(base_dir) or '?'} not found (no config.json);"
-            " give it with --base"
-        )
+    if base:
+        base_dir = Path(base)
+        if not (base_dir / "config.json").is_file():
+            raise UserError(f"export: base model {base} not found (no config.json)")
+    else:
+        try:
+            base_dir = base_model_dir(folder, config.get("base_model_name_or_path"))
+        except UserError as e:
+            raise UserError(f"export: {e}; give it with --base") from None
     weights: dict[str, Any] = {}
     for f in sorted(base_dir.glob("*.safetensors")):
         weights |= load_file(str(f))

@@ -1,5 +1,6 @@
 """What a run checks before Ray starts, beyond the config's own settings (config_checks):
-the checkpoint to resume, the reward functions, the model folder.
+the output folder and the checkpoint to resume, the reward functions, the model folder,
+the LoRA targets and a resumed checkpoint's LoRA settings.
 
 In: the run config, the resolved model folder, `--resume`. Out: nothing, or `UserError`
 (one line; the command exits with code 2). Cheapest first: a bad input ends in seconds."""
@@ -7,35 +8,38 @@ In: the run config, the resolved model folder, `--resume`. Out: nothing, or `Use
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from async_grpo.config import RunConfig
 from async_grpo.errors import UserError
 
 
 def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None:
-    if resume:
-        from async_grpo.trainer.checkpoint import find_resume
+    from async_grpo.trainer.checkpoint import find_resume, refuse_reuse
 
-        find_resume(cfg.output_dir, resume)
+    refuse_reuse(cfg.output_dir, resume)
+    resumed = find_resume(cfg.output_dir, resume) if resume else None
     if cfg.environment.name is None:  # single-turn: the verifiers will import these
         from async_grpo.rewards.registry import get_reward
 
         for name in cfg.verifier.rewards:
             get_reward(name)
     check_model(Path(model_dir))
-    if cfg.trainer.lora.rank:
-        check_lora_targets(cfg, Path(model_dir))
+    lora = check_lora_targets(cfg, Path(model_dir)) if cfg.trainer.lora.rank else None
+    if resumed is not None:
+        check_resumed_lora(resumed, lora)
 
 
-def check_lora_targets(cfg: RunConfig, model_dir: Path) -> None:
+def check_lora_targets(cfg: RunConfig, model_dir: Path) -> dict[str, Any]:
     """`trainer.lora.target_modules` names linear modules of this model's decoder layers:
-    PEFT places its adapters on the model built on the meta device (no weight is read)."""
+    PEFT places its adapters on the model built on the meta device (no weight is read).
+    Returns the run's LoRA settings (`adapters.lora_settings`)."""
     import warnings
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from async_grpo.adapters import inject
+    from async_grpo.adapters import inject, lora_settings
 
     with torch.device("meta"), warnings.catch_warnings():
         # PEFT warns about targets (a tied head) that are refused here in one line anyway
@@ -46,6 +50,17 @@ def check_lora_targets(cfg: RunConfig, model_dir: Path) -> None:
         except ValueError as e:
             first = str(e).strip().splitlines()[0]
             raise UserError(f"{first} (model {model_dir})") from None
+    return lora_settings(cfg.trainer.lora, hf)
+
+
+def check_resumed_lora(path: Path, lora: dict[str, Any] | None) -> None:
+    """The checkpoint to resume was trained as this run trains: both LoRA with the same
+    settings (`lora`), or both every weight (None)."""
+    from async_grpo.trainer.checkpoint import lora_change, saved_lora_settings
+
+    change = lora_change(path, saved_lora_settings(path), lora)
+    if change:
+        raise UserError(change)
 
 
 def check_model(model_dir: Path) -> None:

@@ -2,17 +2,23 @@
 
 Layout: OUTPUT_DIR/checkpoints/step_N/{hf/, dcp/, pending_groups.json,
 trainer_state.json}; a LoRA run (`trainer.lora`) saves `adapter/` (PEFT's folder, whose
-config names the base model) instead of `hf/`, and its `dcp/` holds the adapters alone, and OUTPUT_DIR/checkpoints/latest naming the newest complete one.
-`trainer_state.json` is written last, so a checkpoint without it is incomplete and never
-resumed from. The sampler needs no state of its own: step N draws prompts N*q .. N*q+q-1.
-`pending_groups.json` holds the groups already generated for steps >= N (asynchronous runs
-generate ahead), which the resumed run trains on instead of generating them again.
+config names the base model: a prepared model's name or an absolute path) instead of
+`hf/`, and its `dcp/` holds the adapters alone; OUTPUT_DIR/checkpoints/latest names the
+newest complete one. `trainer_state.json` is written last, so a checkpoint without it is
+incomplete and never resumed from; it records the LoRA settings (`lora`, null for full
+fine-tuning), and a resume with other settings is refused. A step's folder is written
+from empty: nothing of an earlier checkpoint of that step stays beside it. A new run
+(no `--resume`) refuses an OUTPUT_DIR that holds checkpoints. The sampler needs no state
+of its own: step N draws prompts N*q .. N*q+q-1. `pending_groups.json` holds the groups
+already generated for steps >= N (asynchronous runs generate ahead), which the resumed run
+trains on instead of generating them again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -69,19 +75,25 @@ def save(
     pending: dict[int, Any] | None = None,
 ) -> Path:
     """Collective: every rank writes its shard; rank 0 writes the HF folder and the state
-    (step, scheduler and the trainer's running `counters`)."""
+    (step, scheduler, the LoRA settings and the trainer's running `counters`). An earlier
+    checkpoint of the same step (a resumed run passing it again) is removed first, so no
+    file of it (an `adapter/` beside a new `hf/`, its pending groups) is read as this one's."""
     import torch.distributed.checkpoint as dcp
 
     path = checkpoint_dir(output_dir, step)
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)
+    dist.barrier()  # no rank writes into the folder before it is empty
     model_sd, optim_sd = _model_and_optim(policy, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     if rank == 0:
         from transformers import AutoTokenizer
 
         if getattr(policy, "lora", None) is not None:
-            from async_grpo.adapters import write_adapter
+            from async_grpo.adapters import base_model_record, write_adapter
 
-            write_adapter(path / "adapter", full_state, policy.adapter_config, tokenizer_dir)
+            base = base_model_record(tokenizer_dir)
+            write_adapter(path / "adapter", full_state, policy.adapter_config, base)
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "adapter")
         else:
             policy.hf.save_pretrained(path / "hf", state_dict=full_state)
@@ -93,6 +105,7 @@ def save(
             }
             (path / PENDING_FILE).write_text(json.dumps(groups))
         state = {"step": step, "policy_version": step, "scheduler": sched.state_dict()}
+        state["lora"] = policy_lora_settings(policy)
         state |= counters or {}
         tmp = path / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
@@ -102,6 +115,77 @@ def save(
         os.replace(path.parent / "latest.tmp", latest)
     dist.barrier()
     return path
+
+
+def policy_lora_settings(policy: Any) -> dict[str, Any] | None:
+    """The LoRA settings of a built policy (`adapters.lora_settings`), None without LoRA."""
+    from async_grpo.adapters import lora_settings
+
+    lora = getattr(policy, "lora", None)
+    return None if lora is None else lora_settings(lora, policy.hf)
+
+
+def saved_lora_settings(path: Path) -> dict[str, Any] | None:
+    """The LoRA settings a checkpoint was saved with (None: full fine-tuning). A checkpoint
+    written before they were recorded gives what its adapter folder holds (no modules)."""
+    from async_grpo.adapters import is_adapter_dir, read_adapter_config
+
+    state = json.loads((Path(path) / STATE_FILE).read_text())
+    if "lora" in state:
+        return state["lora"]
+    if not is_adapter_dir(Path(path) / "adapter"):
+        return None
+    config = read_adapter_config(Path(path) / "adapter")
+    return {"rank": config["r"], "alpha": config["lora_alpha"], "dropout": config["lora_dropout"]}
+
+
+def lora_change(path: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
+    """One line saying how `now` (this run's LoRA settings) differs from `saved` (the
+    checkpoint's), or None where a resume keeps the same function."""
+    if saved is None and now is None:
+        return None
+    again = "resume with the settings it was saved with, or start a new run in another output_dir"
+    if saved is None:
+        what = f"it trained every weight; this run trains LoRA adapters (rank {now['rank']})"
+        return f"--resume: {path}: {what}; {again}"
+    if now is None:
+        what = f"it trained LoRA adapters (rank {saved['rank']}); this run trains every weight"
+        return f"--resume: {path}: {what}; {again}"
+    diffs = [
+        f"{key} {saved[key]} -> {now[key]}"
+        for key in ("rank", "alpha", "dropout")
+        if key in saved and saved[key] != now[key]
+    ]
+    old, new = saved.get("target_modules"), now["target_modules"]
+    if old is not None and sorted(old) != sorted(new):
+        diffs.append(f"target_modules {_modules(old)} -> {_modules(new)}")
+    if not diffs:
+        return None
+    return (
+        f"--resume: {path} was saved with other trainer.lora settings ({'; '.join(diffs)}); {again}"
+    )
+
+
+def _modules(names: list[str]) -> str:
+    """Adapted modules, short: their distinct last names, and how many there are."""
+    short = sorted({n.rpartition(".")[2] for n in names})
+    return f"[{', '.join(short)}] ({len(names)} modules)"
+
+
+def refuse_reuse(output_dir: str | Path, resume: str | None) -> None:
+    """A new run (no `--resume`) writes its checkpoints into a folder that holds none: an
+    earlier run's `step_N/` would otherwise sit beside (or under) this run's, and `eval`,
+    `export`, `--resume` and late-joining workers would read it as this run's."""
+    folder = Path(output_dir) / "checkpoints"
+    if resume or not folder.is_dir():
+        return
+    steps = sorted((p.name for p in folder.glob("step_*")), key=lambda n: (len(n), n))
+    if steps or (folder / "latest").exists():
+        names = ", ".join(steps[-3:]) if steps else "latest"
+        raise UserError(
+            f"output_dir {output_dir} already holds an earlier run's checkpoints ({folder}:"
+            f" {names}); pass --resume to continue or choose another output_dir"
+        )
 
 
 def find_resume(output_dir: str, resume: str) -> Path:
@@ -120,12 +204,29 @@ def find_resume(output_dir: str, resume: str) -> Path:
 
 def load(path: Path, policy: Any, opt: Any, sched: Any) -> dict[str, Any]:
     """Restore model, optimizer and scheduler in place (collective); returns the saved
-    state (`step` and the counters)."""
+    state (`step` and the counters). A checkpoint of other LoRA settings, or whose model
+    state holds other tensors than the policy's, is refused (`UserError`): under LoRA the
+    load is not strict (the frozen base is not in the state), so a tensor the policy lacks
+    would otherwise be dropped unsaid."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    change = lora_change(path, saved_lora_settings(path), policy_lora_settings(policy))
+    if change:
+        raise UserError(change)
     options = _options(policy)
     model_sd, optim_sd = _model_and_optim(policy, opt)
+    saved = {
+        k.removeprefix("model.")
+        for k in dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+        if k.startswith("model.")
+    }
+    if saved != set(model_sd):
+        extra, missing = sorted(saved - set(model_sd)), sorted(set(model_sd) - saved)
+        raise UserError(
+            f"--resume: {path} holds other model tensors than this policy: {len(extra)} it"
+            f" lacks ({', '.join(extra[:2])}), {len(missing)} missing ({', '.join(missing[:2])})"
+        )
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(

@@ -4,6 +4,7 @@ checkpoint. (Exact resume from an adapter checkpoint: tests/unit/test_lora.py; 2
 the unit test's whole-batch gradient.)"""
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -55,19 +56,25 @@ def test_a_lora_run_trains_the_adapters_against_the_base(runs, tiny_model_dir):
     ckpt = base / "full" / "checkpoints" / "step_2"
     assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "hf").exists()
     config = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 8 and config["base_model_name_or_path"] == str(tiny_model_dir)
+    assert config["r"] == 8 and config["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+    lora = json.loads((ckpt / "trainer_state.json").read_text())["lora"]
+    assert lora["rank"] == 8 and lora["alpha"] == 16.0 and len(lora["target_modules"]) == 7 * 2
 
 
 def test_eval_command_on_an_adapter_checkpoint(runs, tmp_path):
-    """`async-grpo eval` on a LoRA checkpoint serves its adapter on the base it names."""
+    """`async-grpo eval` on a LoRA checkpoint serves its adapter on the base it names, on a
+    copy of the checkpoint, from another working directory (the adapter names its base by
+    an absolute path)."""
     base = runs[1]
-    out = tmp_path / "eval"
+    out, copied = tmp_path / "eval", tmp_path / "copied" / "step_2"
+    shutil.copytree(base / "full" / "checkpoints" / "step_2", copied)
     cmd = [
-        *CLI, "eval", str(base / "full" / "checkpoints" / "step_2"), "--data", str(HELD_OUT),
-        "-o", str(out), "--max-questions", "3",
+        *CLI, "eval", "step_2", "--data", str(HELD_OUT), "-o", str(out), "--max-questions", "3",
         "--set", "verifier.rewards=[rewards_for_tests:vowel_share]",
     ]  # fmt: skip
-    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        cmd, env=plugin_env(), cwd=copied.parent, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     summary = json.loads((out / "eval_summary.json").read_text())
     assert summary["metrics"]["eval/questions"] == 3

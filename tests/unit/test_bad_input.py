@@ -186,3 +186,49 @@ def test_lora_targets_outside_the_decoder_layers(tmp_path, targets, named):
     by the base weight), one on the embedding failed to load after Ray had started."""
     r = _run(tmp_path, "trainer.lora.rank=8", f"trainer.lora.target_modules=[{targets}]")
     _refused(r, f"trainer.lora.target_modules: {named} ", "only the decoder layers' linear")
+
+
+def test_a_new_run_refuses_an_output_dir_with_checkpoints(tmp_path):
+    """A new run writing into an earlier run's checkpoints would leave its step_N/adapter/
+    beside this run's step_N/hf/ (or the reverse), which eval, export and late-joining
+    workers took."""
+    (tmp_path / "out" / "checkpoints" / "step_4" / "adapter").mkdir(parents=True)
+    r = _run(tmp_path)
+    _refused(r, str(tmp_path / "out"), "step_4", "pass --resume to continue or choose another")
+
+
+QV = [f"model.layers.{i}.self_attn.{m}" for i in range(30) for m in ("q_proj", "v_proj")]
+SAVED = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": QV}  # SmolLM2's 30 layers
+
+
+@pytest.mark.parametrize(
+    "saved, overrides, words",
+    [
+        (
+            SAVED,
+            [
+                "trainer.lora.rank=8",
+                "trainer.lora.alpha=32",
+                "trainer.lora.target_modules=[q_proj]",
+            ],
+            ["alpha 16.0 -> 32.0", "target_modules [q_proj, v_proj] (60 modules) -> [q_proj] (30"],
+        ),
+        (None, ["trainer.lora.rank=8"], ["it trained every weight", "LoRA adapters (rank 8)"]),
+        (SAVED, [], ["it trained LoRA adapters (rank 8); this run trains every weight"]),
+    ],
+    ids=["narrowed-and-rescaled", "full-as-lora", "lora-as-full"],
+)
+def test_a_resume_with_other_lora_settings(tmp_path, saved, overrides, words):
+    """The checkpoint records its LoRA settings; a resume that would load it into another
+    function (a rescaled or narrowed adapter, or the other kind of training) is refused."""
+    step = tmp_path / "out" / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 2, "lora": saved}))
+    (step.parent / "latest").write_text("step_2")
+    r = subprocess.run(
+        [*run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}", *overrides), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _refused(r, "--resume", str(step), *words)

@@ -316,6 +316,104 @@ def test_adapters_outside_the_decoder_layers_are_refused(model_dir, targets, nam
     assert len(adapters.adapted_modules(hf)) == 7 * 2
 
 
+def _save(model_dir: str, out: Path, lora_cfg: LoraConfig | None, step: int = 1) -> Path:
+    """A checkpoint of a freshly built policy (LoRA `lora_cfg`, or full fine-tuning)."""
+    from async_grpo.trainer import checkpoint
+    from async_grpo.trainer.model import build_optimizer
+
+    cfg = TrainerConfig(compute_dtype="float32", lora=lora_cfg or LoraConfig())
+    policy = build_policy(model_dir, cfg, CPU, 1)
+    opt, sched = build_optimizer(policy, cfg)
+    state = full_state_dict(policy)
+    return checkpoint.save(str(out), step, policy, opt, sched, state, model_dir, 0)
+
+
+def test_a_checkpoint_records_its_lora_settings_and_a_resume_with_others_is_refused(
+    model_dir, tmp_path
+):
+    """trainer_state.json records rank, alpha, dropout and the adapted modules as PEFT
+    resolved them ([all-linear] and the same modules named one by one are one setting); a
+    load into a policy of other settings (alpha rescales the policy; fewer targets would
+    drop trained factors, the load not being strict under LoRA) or of the other kind is
+    refused in one line naming what differs; the same step saved again by full fine-tuning
+    leaves no adapter/ of the earlier one beside its hf/."""
+    import json
+
+    from async_grpo.errors import UserError
+    from async_grpo.trainer import checkpoint
+    from async_grpo.trainer.model import build_optimizer
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora_cfg = replace(LORA, target_modules=every, dropout=0.05)
+    with one_rank_group("cpu:gloo"):
+        path = _save(model_dir, tmp_path, lora_cfg)
+        saved = json.loads((path / checkpoint.STATE_FILE).read_text())["lora"]
+        hf = _meta_model(model_dir)
+        adapters.inject(hf, replace(lora_cfg, target_modules=["all-linear"]))
+        assert saved == adapters.lora_settings(replace(lora_cfg, target_modules=["all-linear"]), hf)
+        assert saved["rank"] == 4 and saved["alpha"] == 8.0 and saved["dropout"] == 0.05
+        assert len(saved["target_modules"]) == 7 * 2
+        assert checkpoint.saved_lora_settings(path) == saved
+
+        def refused(other: LoraConfig | None) -> str:
+            cfg = TrainerConfig(compute_dtype="float32", lora=other or LoraConfig())
+            policy = build_policy(model_dir, cfg, CPU, 1)
+            opt, sched = build_optimizer(policy, cfg)
+            with pytest.raises(UserError) as e:
+                checkpoint.load(path, policy, opt, sched)
+            assert "\n" not in str(e.value) and str(path) in str(e.value)
+            return str(e.value)
+
+        assert "alpha 8.0 -> 16.0)" in refused(replace(lora_cfg, alpha=16.0))
+        narrowed = refused(replace(lora_cfg, target_modules=["q_proj", "v_proj"]))
+        assert "target_modules [down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj," in narrowed
+        assert "(14 modules) -> [q_proj, v_proj] (4 modules)" in narrowed
+        assert "this run trains every weight" in refused(None)
+
+        path = _save(model_dir, tmp_path, None)  # the same step, now full fine-tuning
+        assert (path / "hf").is_dir() and not (path / "adapter").exists()
+        assert checkpoint.saved_lora_settings(path) is None
+        assert "it trained every weight" in refused(lora_cfg)
+
+
+def test_an_adapter_names_its_base_so_a_copied_checkpoint_evaluates_from_any_folder(
+    model_dir, tmp_path, monkeypatch
+):
+    """The adapter's config names its base by an absolute path (a model given by a relative
+    one), or by a prepared model's name when the base is that model's prepared folder (found
+    again in the cache of whichever machine reads it): `eval` and `export` find the base of
+    a checkpoint copied elsewhere, from another working directory."""
+    import shutil
+
+    from async_grpo.evaluation.cli import eval_model_dir
+    from async_grpo.export import export_merged
+
+    monkeypatch.chdir(Path(model_dir).parent)
+    relative = Path(model_dir).name
+    with one_rank_group("cpu:gloo"):
+        path = _save(relative, tmp_path / "run", LORA)
+    config = adapters.read_adapter_config(path / "adapter")
+    assert config["base_model_name_or_path"] == str(Path(model_dir).resolve())
+    copied = tmp_path / "elsewhere" / "step_1"
+    shutil.copytree(path, copied)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert eval_model_dir(str(copied)) == Path(model_dir).resolve()
+    assert (export_merged(copied, tmp_path / "merged") / "model.safetensors").is_file()
+
+    cache = tmp_path / "cache"  # a prepared model: the folder prepare-model leaves
+    shutil.copytree(model_dir, cache / "models" / "smollm2-135m")
+    from async_grpo.models import _DONE_MARKER
+
+    (cache / "models" / "smollm2-135m" / _DONE_MARKER).write_text("{}")
+    monkeypatch.setenv("ASYNC_GRPO_CACHE", str(cache))
+    with one_rank_group("cpu:gloo"):
+        path = _save(str(cache / "models" / "smollm2-135m"), tmp_path / "prepared", LORA)
+    assert adapters.read_adapter_config(path / "adapter")["base_model_name_or_path"] == (
+        "smollm2-135m"
+    )
+    assert eval_model_dir(str(path)) == cache / "models" / "smollm2-135m"
+
+
 def test_writers_of_one_adapter_folder_at_once_never_meet(tmp_path):
     """The tensor-parallel workers of one engine each write the pushed adapter to the same
     folder: each file goes under a temporary name of its writer's own, then is renamed (with
