@@ -58,6 +58,26 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5},
     ),
     "olmo2": ("Olmo2Config", {}),
+    # the layouts other than Llama's: renamed MoE blocks in the files (Mixtral), a decoder
+    # not under `.model` and a head named `embed_out` (GPT-NeoX), a head with a bias (Phi-2),
+    # learned positions, fused Conv1D projections and dropout 0.1 (GPT-2), no position-id
+    # packing in its masks (Falcon), attention sinks and no SDPA path (GPT-OSS)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_neox": ("GPTNeoXConfig", {"tie_word_embeddings": False}),
+    "phi": ("PhiConfig", {}),
+    "gpt2": ("GPT2Config", {"n_inner": 256}),
+    "falcon": ("FalconConfig", {"_without": ("head_dim",)}),  # derived: width / heads
+    "gpt_oss": (
+        "GptOssConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    ),
+}
+# families whose attention the flex path cannot compute: refused before Ray for it
+# (family_check), tested as refused
+FLEX_REFUSED = {
+    "gpt_oss": "attention sinks",
+    "gpt2": "its attention takes no BlockMask",
+    "falcon": "no custom attention functions",
 }
 
 
@@ -66,7 +86,10 @@ def tiny_config(family: str, vocab_size: int, **special_tokens: Any) -> Any:
     import transformers
 
     class_name, extra = FAMILIES[family]
-    settings = {**_COMMON, **extra, "vocab_size": vocab_size, **special_tokens}
+    without = extra.get("_without", ())
+    extra = {k: v for k, v in extra.items() if k != "_without"}
+    common = {k: v for k, v in _COMMON.items() if k not in without}
+    settings = {**common, **extra, "vocab_size": vocab_size, **special_tokens}
     return getattr(transformers, class_name)(**settings)
 
 

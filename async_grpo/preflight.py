@@ -24,7 +24,7 @@ def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None
 
         for name in cfg.verifier.rewards:
             get_reward(name)
-    check_model(Path(model_dir))
+    check_model(Path(model_dir), run_attentions(cfg))
     lora = check_lora_targets(cfg, Path(model_dir)) if cfg.trainer.lora.rank else None
     if resumed is not None:
         check_resumed_lora(resumed, lora)
@@ -63,9 +63,21 @@ def check_resumed_lora(path: Path, lora: dict[str, Any] | None) -> None:
         raise UserError(change)
 
 
-def check_model(model_dir: Path) -> None:
+def run_attentions(cfg: RunConfig) -> list[Any]:
+    """The attention backends the run's trainer and log-prob workers may use: dense SDPA on
+    CPU, and flex_attention where asked or on CUDA (`core.attention.select_attention`)."""
+    from async_grpo.core.attention import DenseAttention
+    from async_grpo.core.attention.flex import FlexAttention
+
+    asked = {cfg.trainer.attention, cfg.logprob.attention}
+    flex = "flex" in asked or (cfg.trainer.device == "cuda" and "auto" in asked)
+    return [DenseAttention(), FlexAttention(max_tokens=256)] if flex else [DenseAttention()]
+
+
+def check_model(model_dir: Path, attentions: list[Any] | None = None) -> None:
     """transformers has a causal LM for the folder's model type, vLLM serves its
-    architecture, and the trainer computes what the engine computes for it."""
+    architecture, and the trainer computes what transformers computes for its family with
+    each of `attentions` (family_check: a small random twin, about a second)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -91,6 +103,12 @@ def check_model(model_dir: Path) -> None:
         layer_windows(config)
     except ValueError as e:
         raise UserError(f"model {model_dir}: {e}") from None
+    if attentions:
+        from async_grpo.family_check import family_problem
+
+        problem = family_problem(config, attentions)
+        if problem:
+            raise UserError(f"model {model_dir}: {problem}; not supported")
 
 
 def vllm_architectures() -> set[str]:

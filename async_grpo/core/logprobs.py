@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from async_grpo.core.model_parts import output_head
 from async_grpo.core.packing import PackedBatch, packed_hidden
 
 
@@ -162,33 +163,37 @@ class _HiddenLogprobs(torch.autograd.Function):
     for x = logits / temperature; the chain rule then divides by the temperature."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, fused, head):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, fused, head
+    ):
         stats = _fused_fns()[0] if fused else _eager_stats
         logps, ents, lses = [], [], []
         for s in range(0, targets.numel(), chunk_size):
-            logits = head.apply(hidden[s : s + chunk_size] @ weight.T)  # [C, V] model dtype
+            logits = head.apply(_linear(hidden[s : s + chunk_size], weight, bias))  # [C, V]
             logp, lse, ent = stats(logits, targets[s : s + chunk_size], temperature, with_entropy)
             logps.append(logp)
             lses.append(lse)
             ents.append(ent)
         logp, ent = torch.cat(logps), torch.cat(ents)  # [T]
-        ctx.save_for_backward(hidden, weight, targets, torch.cat(lses), ent)
+        ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(lses), ent)
         ctx.config = (temperature, chunk_size, with_entropy, fused, head)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         temperature, chunk_size, with_entropy, fused, head = ctx.config
         grad_fn = _fused_fns()[1] if fused else _eager_grad
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # [T, H]
         acc = torch.promote_types(weight.dtype, torch.float32)
         need_w = ctx.needs_input_grad[1]
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         for s in range(0, targets.numel(), chunk_size):
             e = s + chunk_size
             h = hidden[s:e]  # [C, H]
-            z = head.apply(h @ weight.T)  # [C, V]
+            z = head.apply(_linear(h, weight, bias))  # [C, V]
             g = grad_fn(
                 z if head.identity else z.clone(),  # the eager maths overwrite their input
                 targets[s:e],
@@ -204,8 +209,16 @@ class _HiddenLogprobs(torch.autograd.Function):
                 grad_h[s:e] = g @ weight  # [C, H]
             if grad_w is not None:
                 grad_w += (g.T @ h).to(acc)  # [V, H]
+            if grad_b is not None:
+                grad_b += g.sum(0).to(acc)  # [V]
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The LM head on a chunk: h [C, H] @ weight [V, H].T (+ bias [V]) -> [C, V]."""
+    return h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
 
 
 def logprobs_from_logits(
@@ -241,8 +254,10 @@ def logprobs_from_hidden(
     with_entropy: bool = False,
     fused: bool = False,
     head: HeadTransform = HeadTransform(),
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """(log p(targets) [T], entropy [T] or None) from hidden [T, H] and weight [V, H];
+    """(log p(targets) [T], entropy [T] or None) from hidden [T, H], weight [V, H] and the
+    head's `bias` [V] if it has one (Phi-2, GPT-J);
     logits are built per chunk only, in the forward and again in the backward, and go
     through the family's `head` transform. `fused`: the per-chunk maths runs as compiled
     kernels (one read of each chunk's logits), the trainer's choice on CUDA; otherwise
@@ -253,7 +268,7 @@ def logprobs_from_hidden(
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         return empty, (empty if with_entropy else None)  # [0]
     logp, ent = _HiddenLogprobs.apply(
-        hidden, lm_head_weight, targets, temperature, chunk_size, with_entropy, fused, head
+        hidden, lm_head_weight, bias, targets, temperature, chunk_size, with_entropy, fused, head
     )
     return logp, (ent if with_entropy else None)
 
@@ -268,17 +283,15 @@ def batch_logprobs(
     fused_head: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [T] (0 off `batch.loss_mask`) of a Hugging Face causal LM on a packed batch,
-    via `model.model` hidden states and the chunked LM head (a bias-free linear layer; the
-    family's soft-capping or scaling after it, `head_transform`). `attention` is the model's
+    via the decoder's hidden states and the chunked LM head (a linear layer, with its bias
+    where it has one; the family's soft-capping or scaling after it, `head_transform`). `attention` is the model's
     `AttentionBackend` (None: dense SDPA); `batch` must already be `attention.prepare`d."""
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError(f"{type(model).__name__}: LM head has a bias; not supported")
+    head = output_head(model)
     hidden = packed_hidden(model, batch, attention)  # [T, H]
     targets = batch.labels[0].clamp(min=0)  # [T]
     logp, ent = logprobs_from_hidden(
         hidden, head.weight, targets, temperature, chunk_size, with_entropy, fused_head,
-        head_transform(model.config),
+        head_transform(model.config), getattr(head, "bias", None),
     )  # fmt: skip
     mask = batch.loss_mask  # [T]
     logp = logp * mask  # [T]

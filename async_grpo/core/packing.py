@@ -9,13 +9,14 @@ of the same sample, else -100 (prompt targets, each sample's last position, padd
 (`PackInput.completion_mask` False) are context like the prompt: label -100, no loss. The model's logits at `t` are scored against `labels[0, t]`
 directly, with no further shift.
 
-Attention isolation: rows are separated by `position_ids` restarting at 0. transformers
-(5.19, sdpa/eager) derives a block-diagonal causal mask from them only when no KV cache is
-built, so `packed_forward` always passes `use_cache=False` (with the cache the log-probs are
-silently wrong; tests/unit/test_packing.py checks both). `block_causal_mask` is the explicit
-4D fallback. Other kernels (flash-attn varlen, flex_attention with a BlockMask) are
-attention backends (core/attention/) passed to `packed_forward`/`packed_hidden`; `pad_to`
-pads a row to a fixed length for kernels compiled per shape.
+Attention isolation: positions restart at 0 in each sample (`position_ids`), and the
+dense path passes an explicit mask (`shared_prefix_mask`, windowed per layer type): some
+families (transformers 5.19, sdpa/eager) derive a block-diagonal mask from restarting
+positions when no KV cache is built, but not all of them (Falcon, GPT-OSS do not).
+`packed_forward` always passes `use_cache=False`. Other kernels (flash-attn varlen,
+flex_attention with a BlockMask) are attention backends (core/attention/) passed to
+`packed_forward`/`packed_hidden`; `pad_to` pads a row to a fixed length for kernels
+compiled per shape.
 
 Shared prompts (`pack(..., share_prompts=True)`): consecutive samples with the same prompt
 (a GRPO group) carry that prompt once. The row holds the prompt minus its last token, then
@@ -323,16 +324,6 @@ def plan_minibatches(lengths: list[int], max_tokens: int, num_ranks: int) -> lis
     return plan
 
 
-def block_causal_mask(seq_lens: list[int], dtype: torch.dtype = torch.float32) -> Tensor:
-    """Additive 4D mask [1, 1, T, T]: 0 where query and key share a sample and key <= query,
-    dtype-min elsewhere. The explicit fallback when position_ids alone do not isolate rows."""
-    index = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))  # [T]
-    t = index.numel()
-    causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
-    allowed = causal & (index[:, None] == index[None, :])  # [T, T]
-    return additive_mask(allowed, dtype)[None, None]  # [1, 1, T, T]
-
-
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     """0 where `allowed`, the dtype's minimum elsewhere: the form eager attention adds."""
     zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -340,15 +331,17 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def shared_prefix_mask(batch: PackedBatch, window: int | None = None) -> Tensor:
-    """Boolean 4D mask [1, 1, T, T] (True = attend) for rows with shared prompts: a query
+    """Boolean 4D mask [1, 1, T, T] (True = attend) for any row (unshared: block-causal): a query
     sees earlier keys of its own group that are its group's shared prefix or its own sample,
     and with a sliding `window` only those fewer than `window` positions back.
     Boolean, so it suits any compute dtype."""
     group = torch.repeat_interleave(
         torch.arange(len(batch.seq_lens)), torch.tensor(batch.seq_lens)
     ).to(batch.sample_index.device)  # [T]
-    shared = batch.shared_prefix  # [T]
     t = group.numel()
+    shared = batch.shared_prefix  # [T]
+    if shared is None:  # an unshared row: each sample sees only itself
+        shared = torch.zeros(t, dtype=torch.bool, device=group.device)
     causal = torch.ones(t, t, dtype=torch.bool, device=group.device).tril()  # [T, T]
     own = batch.sample_index[:, None] == batch.sample_index[None, :]  # [T, T]
     allowed = causal & (group[:, None] == group[None, :]) & (shared[None, :] | own)  # [T, T]
@@ -366,9 +359,12 @@ def packed_forward(model: nn.Module, batch: PackedBatch, attention: Any = None) 
 
 
 def packed_hidden(model: nn.Module, batch: PackedBatch, attention: Any = None) -> Tensor:
-    """Last hidden states [T, H] (after the final norm) of `model.model`, the decoder without
-    its LM head; pair with `logprobs_from_hidden` so full logits are never built."""
-    out = model.model(use_cache=False, **_model_inputs(model, batch, attention))
+    """Last hidden states [T, H] (after the final norm) of the model's decoder (its LM head
+    left out, `model_parts.decoder`); pair with `logprobs_from_hidden` so full logits are
+    never built."""
+    from async_grpo.core.model_parts import decoder
+
+    out = decoder(model)(use_cache=False, **_model_inputs(model, batch, attention))
     return out.last_hidden_state[0]  # [T, H]
 
 

@@ -25,10 +25,16 @@ from async_grpo.adapters import adapter_file_name
 from async_grpo.config import TrainerConfig
 from async_grpo.core.attention import AttentionBackend, DenseAttention
 from async_grpo.core.logprobs import batch_logprobs
+from async_grpo.core.model_parts import (
+    decoder_layers,
+    drop_no_activations,
+    output_head,
+    without_dropout,
+)
 from async_grpo.core.packing import PackedBatch
 from async_grpo.precision import Precision, resolve_dtype
 from async_grpo.trainer import lora as lora_module
-from async_grpo.trainer.weight_names import converted_sources
+from async_grpo.trainer.weight_names import stored_sources
 
 PREFIX = "hf."
 
@@ -143,6 +149,7 @@ def build_policy(
     attention = attention or DenseAttention()
     config = AutoConfig.from_pretrained(model_dir)
     config.use_cache = False
+    without_dropout(config)  # the log-probs are a function of the weights
     requested = cfg.compute_dtype or cfg.dtype
     if requested == "auto" and cfg.dtype != "float32":  # never compute wider than the masters
         requested = cfg.dtype
@@ -163,11 +170,13 @@ def build_policy(
                 p.data = p.data.to(getattr(torch, cfg.dtype))
         policy.lora = lora
         policy.adapter_config = lora_module.adapter_config_dict(adapter_config)
+    drop_no_activations(hf)
     ac = cfg.activation_checkpointing
     policy.checkpointing = device.type == "cuda" if ac is None else ac
     if cfg.kernels == "liger":
         apply_liger(hf)
-    wrap_layers(hf.model.layers, policy.checkpointing, cfg.kernels == "compile")
+    layers = decoder_layers(hf)
+    wrap_layers(layers, policy.checkpointing, cfg.kernels == "compile")
     policy.fused_head = cfg.kernels != "eager"
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(
@@ -176,7 +185,7 @@ def build_policy(
     # One rank: nothing to free by resharding, so the backward reuses the forward's
     # gathered (cast) parameters instead of gathering them again.
     reshard = world_size > 1
-    for layer in hf.model.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     policy.to_empty(device=device)
@@ -211,35 +220,29 @@ def load_shards(policy: Policy, model_dir: Path) -> None:
     files = _weight_files(model_dir)
     # tied weights appear once; adapters are not in the files (init_adapters draws them)
     params = {
-        lora_module.stored_name(n): p
+        lora_module.stored_name(n).removeprefix(PREFIX): p
         for n, p in policy.named_parameters()
         if not adapters.is_adapter(n)
     }
-    absent = [n for n in params if n.removeprefix(PREFIX) not in files]
-    converted = {
-        n: found
-        for n in absent
-        if (found := converted_sources(policy.hf, n.removeprefix(PREFIX), files))
-    }
-    missing = [n for n in absent if n not in converted]
+    sources = stored_sources(policy.hf, list(params), list(files))
+    missing = [n for n in params if n not in sources]
     tied = policy.hf.config.tie_word_embeddings
-    if tied and missing == [f"{PREFIX}lm_head.weight"]:
+    head = output_head(policy.hf).weight
+    if tied and all(params[n] is head for n in missing):
         missing = []  # the LM head is the (already loaded) embedding
     if missing:
         raise KeyError(f"{model_dir}: no weights for {missing[:3]}")
+    by_file: dict[Path, list[tuple[str, str]]] = {}
     with torch.no_grad():
-        for name, found in converted.items():
-            _copy_rows(params[name], lambda rows, f=found: f.load(files)[rows])
-    by_file: dict[Path, list[str]] = {}
-    for name in params:
-        key = name.removeprefix(PREFIX)
-        if key in files:
-            by_file.setdefault(files[key], []).append(name)
-    with torch.no_grad():
-        for path, names in by_file.items():
+        for name, source in sources.items():
+            if isinstance(source, str):
+                by_file.setdefault(files[source], []).append((name, source))
+            else:
+                _copy_rows(params[name], lambda rows, s=source: s.load(files)[rows])
+        for path, pairs in by_file.items():
             with safe_open(str(path), framework="pt") as f:
-                for name in names:
-                    _copy_rows(params[name], f.get_slice(name.removeprefix(PREFIX)).__getitem__)
+                for name, source in pairs:
+                    _copy_rows(params[name], f.get_slice(source).__getitem__)
     _compute_buffers(policy.hf)
     if tied:
         policy.hf.tie_weights()

@@ -35,7 +35,6 @@ def per_sample() -> list[torch.Tensor]:
 
 BACKENDS = {
     "sdpa": lambda: DenseAttention(),
-    "sdpa-explicit-mask": lambda: DenseAttention(explicit_mask=True),
     "flex": lambda: FlexAttention(max_tokens=512),
 }
 

@@ -177,3 +177,26 @@ def test_head_transform_from_the_config():
     assert head_transform(Config(final_logit_softcapping=30.0)) == HeadTransform(1.0, 30.0)
     assert head_transform(Config(logits_scaling=4.0)) == HeadTransform(0.25)  # Granite
     assert head_transform(Config(logit_scale=0.0625)) == HeadTransform(0.0625)  # Cohere
+
+
+def test_a_head_bias_enters_the_logits_and_gets_its_gradient():
+    """An LM head with a bias (Phi-2): chunked log-probs and entropy, and the gradients of
+    hidden, weight and bias, equal autograd through the whole `hidden @ W.T + b` (fp64)."""
+    hidden, weight, targets, c_logp, c_ent = _inputs(4)
+    hidden = hidden.double().requires_grad_()  # [T, H]
+    weight = weight.double().requires_grad_()  # [V, H]
+    bias = torch.randn(weight.shape[0], dtype=torch.float64, requires_grad=True)  # [V]
+    logp, ent = logprobs_from_hidden(
+        hidden, weight, targets, 0.8, chunk_size=5, with_entropy=True, bias=bias
+    )
+    (logp * c_logp.double() + ent * c_ent.double()).sum().backward()
+    got = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    want, want_ent = _reference(hidden @ weight.T + bias, targets, 0.8)
+    (want * c_logp.double() + want_ent * c_ent.double()).sum().backward()
+    assert (logp - want).abs().max().item() <= 1e-9
+    assert (ent - want_ent).abs().max().item() <= 1e-9
+    for g, t in zip(got, (hidden, weight, bias), strict=True):
+        torch.testing.assert_close(g, t.grad, rtol=0, atol=1e-9)
+    assert bias.grad.abs().max().item() > 1e-3  # the bias does move

@@ -9,7 +9,6 @@ import pytest
 import torch
 from _tiny import tiny_llama
 
-from async_grpo.core.attention import DenseAttention
 from async_grpo.core.logprobs import batch_logprobs, logprobs_from_logits
 from async_grpo.core.packing import PackInput, pack, packed_forward, plan_minibatches
 
@@ -115,11 +114,6 @@ def _check_packed_matches(model, samples, tol: float) -> None:
         logits = packed_forward(model, batch)  # [T, V]
         got, _ = logprobs_from_logits(logits, batch.labels[0].clamp(min=0), chunk_size=16)
         assert (got[batch.loss_mask] - want).abs().max().item() <= tol
-        got_explicit, _ = logprobs_from_logits(
-            packed_forward(model, batch, DenseAttention(explicit_mask=True)),
-            batch.labels[0].clamp(min=0),
-        )
-        assert (got_explicit[batch.loss_mask] - want).abs().max().item() <= tol
         got_hidden, _ = batch_logprobs(model, batch, chunk_size=16)  # the trainer's path
         assert (got_hidden[batch.loss_mask] - want).abs().max().item() <= tol
 

@@ -60,3 +60,18 @@ def one_or_per_layer(masks: dict[str, Any]) -> Any:
     """A single mask where every layer takes the same one, else the dict per layer type."""
     values = list(masks.values())
     return values[0] if len(values) == 1 else masks
+
+
+def supports(config: Any, implementation: str) -> bool:
+    """Whether transformers' causal LM for `config` has the `implementation` attention path
+    ("sdpa", "flex_attention", "flash_attention_2"); true where the class is not known."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return True
+    flag = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}.get(
+        implementation, "_supports_flash_attn"
+    )
+    return bool(getattr(cls, flag, True))
