@@ -60,8 +60,9 @@ def inject(hf: nn.Module, cfg: LoraConfig) -> Any:
         raise ValueError(
             f"trainer.lora.target_modules: {', '.join(outside[:3])}"
             f"{f' (and {len(outside) - 3} more)' if len(outside) > 3 else ''} is not a linear"
-            " module of the decoder layers; only the decoder layers' linear modules are"
-            " supported (the LM head and the embedding are computed from their base weights)"
+            " module of the decoder layers; only the decoder layers' linear modules (nn.Linear)"
+            " are supported (the LM head and the embedding are computed from their base"
+            " weights)"
         )
     for name, p in hf.named_parameters():
         p.requires_grad_(is_adapter(name))
@@ -76,11 +77,15 @@ def adapted_modules(hf: nn.Module) -> list[str]:
 
 
 def outside_decoder_layers(hf: nn.Module) -> list[str]:
-    """The adapted modules that are not linear modules under the decoder's layers
-    (`hf.get_decoder()`'s module list of `num_hidden_layers` blocks)."""
+    """The adapted modules that are not linear modules (`nn.Linear`) under the decoder's
+    layers (`core.model_parts.decoder_layers`). GPT-2's `Conv1D` is one of them: its weight
+    is stored transposed, which the merge does not expect (and vLLM serves GPT-2 without
+    LoRA)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    layers = _decoder_layers(hf)
+    from async_grpo.core.model_parts import decoder_layers
+
+    layers = decoder_layers(hf)
     prefix = next(name for name, m in hf.named_modules() if m is layers) + "."
     return [
         name
@@ -88,17 +93,6 @@ def outside_decoder_layers(hf: nn.Module) -> list[str]:
         if isinstance(m, BaseTunerLayer)
         and not (name.startswith(prefix) and isinstance(m.get_base_layer(), nn.Linear))
     ]
-
-
-def _decoder_layers(hf: nn.Module) -> nn.Module:
-    """The decoder's blocks: the first module list under `get_decoder()` with one entry per
-    hidden layer."""
-    decoder = hf.get_decoder()
-    count = getattr(hf.config.get_text_config(), "num_hidden_layers", None)
-    for module in decoder.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == count:
-            return module
-    raise ValueError(f"{type(hf).__name__}: no list of {count} decoder layers found")
 
 
 def lora_settings(cfg: LoraConfig, hf: nn.Module) -> dict[str, Any]:
