@@ -30,6 +30,9 @@ Kernels = Literal["eager", "liger", "compile"]  # see trainer/model.py: apply_li
 WeightTransport = Literal["auto", "broadcast", "shm", "cuda_ipc"]  # see async_grpo/transports
 
 
+ReferenceSource = Literal["none", "base", "logprob_pool"]
+
+
 class ConfigError(UserError):
     """A config that cannot run: the message starts with the key's dotted path."""
 
@@ -270,6 +273,16 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     hooks: list[HookSpec] = field(default_factory=list)  # user hooks: [{path: mod:Class, args: {}}]
+
+    @property
+    def reference(self) -> ReferenceSource:
+        """Where the KL term's reference log-probs come from, decided here once and read by
+        the batcher, `run`, the worker CLI and the trainer: "none" without a KL term; "base"
+        under LoRA (the trainer's own frozen base with its adapters off: no reference
+        model, no log-prob pool); else "logprob_pool" (the log-prob workers' frozen model)."""
+        if self.trainer.loss.kl_coef <= 0:
+            return "none"
+        return "base" if self.trainer.lora.rank else "logprob_pool"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:

@@ -422,7 +422,7 @@ def pool_starters(
             cfg.environment, n, log_dir=logs
         )
         counts["environment"] = cfg.environment.num_workers
-    if cfg.trainer.loss.kl_coef > 0 and not cfg.trainer.lora.rank:  # LoRA: the trainer's base
+    if cfg.reference == "logprob_pool":
         starters["logprob"] = lambda n: launch.begin_logprob_workers(
             model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
         )

@@ -241,9 +241,8 @@ class ExperienceBatcher:
 
     @property
     def _kl(self) -> bool:
-        """Reference log-probs from the logprob pool (under LoRA the trainer computes them
-        with its adapters off)."""
-        return self.cfg.trainer.loss.kl_coef > 0 and not self.cfg.trainer.lora.rank
+        """Reference log-probs from the logprob pool (`RunConfig.reference`)."""
+        return self.cfg.reference == "logprob_pool"
 
     async def _guard(self, coro: Any) -> None:
         try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from async_grpo.faults import fault_point
 from async_grpo.inference.adapter_versions import AdapterVersions
 from async_grpo.inference.engine_args import cpu_scheduler_args, lora_engine_args
 from async_grpo.inference.owner import claim_engine_processes
+from async_grpo.inference.push_kinds import PushKind, kind_of_folder, push_kind
 from async_grpo.inference.types import (
     AdapterServing,
     Completion,
@@ -62,7 +62,7 @@ class GenerationWorker(RegisteredWorker):
         self.model_dir, self.cfg, self.device = model_dir, cfg, device
         self.adapters = adapters  # LoRA serving (a run that pushes adapters), or None
         self.lora: AdapterVersions | None = None  # the adapter versions in service
-        self.payload = "weights"  # what the trainer's pushes hold (init_weight_transfer)
+        self.push_kind: PushKind = push_kind("weights")  # set by init_weight_transfer
         self._adapter_folder = Path()  # where the adapter push under way is written
         self.engine: Any = None
         self._update_lock = asyncio.Lock()
@@ -216,12 +216,8 @@ class GenerationWorker(RegisteredWorker):
         """Open this engine's end of the transport the trainer chose (info["kind"])."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        self.payload = info.get("payload", "weights")
-        if self.payload == "adapter" and self.lora is None:
-            raise RuntimeError(
-                f"{self.worker_id}: the trainer pushes LoRA adapters but this engine was"
-                " started without LoRA serving (start workers with the run's config)"
-            )
+        self.push_kind = push_kind(info.get("payload", "weights"))
+        self.push_kind.check_worker(self)
         await self.engine.init_weight_transfer_engine(
             WeightTransferInitRequest(init_info={"info": info})
         )
@@ -243,54 +239,10 @@ class GenerationWorker(RegisteredWorker):
         another worker died), it stays paused and starts the reload over."""
         if self._attempt is not None:
             return await self._restart_update(version, timeout_s, attempt)
-        if self.payload == "adapter":
-            return await self._begin_adapter(version, timeout_s, attempt)
-        await self._update_lock.acquire()
-        try:
-            t = time.perf_counter()
-            async with asyncio.timeout(timeout_s):
-                if in_flight:
-                    await self.engine.pause_generation(mode="keep", clear_cache=False)
-                else:
-                    await self.engine.pause_generation(mode="wait", clear_cache=True)
-            self.last_drain_s = time.perf_counter() - t
-            self.clock.pause(True)
-            await self.engine.start_weight_update()
-            self._next_chunk, self._attempt = 0, attempt
-        except BaseException:
-            await self._resume()
-            raise
+        drain_s = await self.push_kind.begin(self, version, timeout_s, attempt, in_flight)
         self._push = (version, timeout_s)
         self._arm_watchdog()
-        return self.last_drain_s
-
-    async def _begin_adapter(self, version: int, timeout_s: float, attempt: int) -> float:
-        """An adapter push: nothing pauses (requests keep their own versions' adapters);
-        the chunks go to the new version's folder, served from `end_update` on."""
-        await self._update_lock.acquire()
-        try:
-            self._adapter_folder = self.lora.next_folder(version)
-            folder = str(self._adapter_folder)
-            await self.engine.collective_rpc("async_grpo_adapter_target", args=(folder,))
-            await self.engine.start_weight_update()
-            self._next_chunk, self._attempt = 0, attempt
-        except BaseException:
-            self._update_lock.release()
-            raise
-        self.last_drain_s = 0.0
-        self._push = (version, timeout_s)
-        self._arm_watchdog()
-        return 0.0
-
-    async def _end_adapter(self, version: int, folder: Path, owned: bool) -> None:
-        """Serve the adapter in `folder` as `version` to new requests: loaded into the
-        engine now (a folder vLLM cannot load fails here, not in a request)."""
-        request = self.lora.add(version, folder, owned)
-        if not await self.engine.add_lora(request):
-            raise RuntimeError(f"{self.worker_id}: vLLM did not load adapter {folder}")
-        self.version = self.clock.version = version
-        await self.report_version()
-        await self._retire_adapters()
+        return drain_s
 
     def adapter_status(self) -> dict[str, list[Any]]:
         """The adapter versions in service and the pushed versions' folders on disk."""
@@ -360,18 +312,7 @@ class GenerationWorker(RegisteredWorker):
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._attempt = None
-        if self.payload == "adapter":
-            try:
-                await self.engine.finish_weight_update()
-                await self._end_adapter(version, self._adapter_folder, owned=True)
-            finally:
-                self._update_lock.release()
-            return self._update_result()
-        try:
-            await self.engine.finish_weight_update(weight_version=str(version))
-            await self._after_update(version)
-        finally:
-            await self._resume()
+        await self.push_kind.end(self, version)
         return self._update_result()
 
     def _update_result(self) -> dict[str, int]:
@@ -384,25 +325,12 @@ class GenerationWorker(RegisteredWorker):
     async def load_weights_dir(self, hf_dir: str, version: int) -> int:
         """Load a Hugging Face folder (a checkpoint) as `version`, paused like a push; an
         adapter checkpoint is served beside the running requests' adapters instead."""
-        from async_grpo.adapters import is_adapter_dir
-
-        if is_adapter_dir(hf_dir):
-            if self.lora is None:
-                self.weight_load_failures += 1
-                print(f"{self.worker_id}: {hf_dir} is an adapter; this engine serves none")
-                return self.version
-            async with self._update_lock:
-                await self._end_adapter(version, Path(hf_dir), owned=False)
+        kind = kind_of_folder(hf_dir)
+        if kind.name == "adapter" and self.lora is None:
+            self.weight_load_failures += 1
+            print(f"{self.worker_id}: {hf_dir} is an adapter; this engine serves none")
             return self.version
-        await self._update_lock.acquire()
-        try:
-            await self.engine.pause_generation(mode="wait", clear_cache=True)
-            self.clock.pause(True)
-            await self.engine.collective_rpc("async_grpo_load_dir", args=(hf_dir,))
-            await self.engine.update_weight_version(str(version))
-            await self._after_update(version)
-        finally:
-            await self._resume()
+        await kind.load_folder(self, hf_dir, version)
         return self.version
 
     async def _after_update(self, version: int) -> None:

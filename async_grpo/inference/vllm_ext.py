@@ -6,7 +6,8 @@ per chunk and `finish_weight_update`. This module registers ours as backend
 "async_grpo": it receives each chunk through the transport the trainer chose for this
 worker (broadcast group, shared memory or CUDA IPC; see async_grpo.transports) and hands
 the tensors to vLLM's layerwise reload, which shards, repacks (CPU) and processes each
-layer as soon as its last tensor arrives. Imported in the engine's worker process through
+layer as soon as its last tensor arrives; what it does with each chunk's tensors is the
+push kind's (inference/push_kinds: the model's weights, or an adapter's folder). Imported in the engine's worker process through
 `worker_extension_cls`, which is how the registration reaches that process.
 
 With `generation.cpu_linear: torch` a CPU engine keeps plain linear layers (vLLM falls back
@@ -30,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from async_grpo.inference.owner import exit_with_owner
+from async_grpo.inference.push_kinds import PushKind, push_kind
 from async_grpo.inference.types import CPU_LINEAR_ENV, VLLM_LORA_OPS_ENV
 from async_grpo.transports.base import TensorMeta, unpack
 from async_grpo.transports.select import open_receiver
@@ -64,7 +66,7 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
         exit_with_owner()  # this process holds the transport: it must not outlive its actor
         self.receiver: Any = None
         self._in_place = False  # this update writes into the weights where they are
-        self.payload = "weights"  # or "adapter": chunks hold a LoRA adapter (trainer.lora)
+        self.kind: PushKind = push_kind("weights")  # what the chunks hold (trainer's payload)
         self.adapter_config: dict[str, Any] = {}
         self.adapter_target = ""  # the folder the adapter of the update under way goes to
         self._adapter: dict[str, torch.Tensor] = {}
@@ -74,21 +76,12 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
         info = dict(init_info.info)
         if info["kind"] == "broadcast":  # every tensor-parallel shard is its own rank
             info["rank"] = info["rank_offset"] + int(self.parallel_config.rank)
-        self.payload = info.get("payload", "weights")
+        self.kind = push_kind(info.get("payload", "weights"))
         self.adapter_config = info.get("adapter_config") or {}
         self.receiver = open_receiver(info)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        if self.payload == "adapter":  # the model is untouched: the tensors go to a folder
-            self._adapter = {}
-            return
-
-        self._in_place = reloads_in_place(self.model)
-        if not self._in_place:
-            prepack_experts_on_update(self.model)
-            initialize_layerwise_reload(self.model)
+        self.kind.start(self)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -100,33 +93,10 @@ class AsyncGrpoTransferEngine(WeightTransferEngine[TransportInit, ChunkAnnouncem
             raise RuntimeError("weight chunk received before init_weight_transfer_engine")
         flat = self.receiver.chunk(update_info.slot, update_info.nbytes)
         metas = [TensorMeta(n, tuple(s), d) for n, s, d in update_info.metas]
-        tensors = unpack(flat, metas)
-        if self.payload == "adapter":  # copied out: the trainer reuses the slot
-            self._adapter |= {name: t.clone() for name, t in tensors}
-            return
-        tied = self.model_config.hf_config.tie_word_embeddings
-        if (self._in_place and tied) or not has_head(self.model):
-            # a tied head is the embedding's own tensor here (no repacked copy to refresh),
-            # and vLLM refuses a chunk that holds the head without the embedding; a model
-            # without a head of its own (Gemma) has no parameter of that name at all
-            tensors = [(name, t) for name, t in tensors if name != HEAD]
-        self.model.load_weights(tensors)
-        if not self._in_place:
-            _own_pending(flat)
+        self.kind.receive(self, unpack(flat, metas), flat)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        if self.payload == "adapter":  # the worker then serves the folder (add_lora)
-            from pathlib import Path
-
-            from async_grpo.adapters import write_adapter
-
-            write_adapter(Path(self.adapter_target), self._adapter, self.adapter_config)
-            self._adapter = {}
-            return
-        if not self._in_place:
-            finalize_layerwise_reload(self.model, self.model_config)
+        self.kind.finish(self)
 
     def shutdown(self) -> None:
         if self.receiver is not None:
@@ -197,7 +167,7 @@ def prepack_experts_on_update(model: torch.nn.Module) -> None:
         method._async_grpo_prepacks = True
 
 
-def _own_pending(flat: torch.Tensor) -> None:
+def own_pending(flat: torch.Tensor) -> None:
     """Copy what vLLM still holds of `flat` before the trainer reuses its slot.
 
     vLLM buffers a layer's tensors until the layer is complete. Chunks hold whole layers,

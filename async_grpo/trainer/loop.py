@@ -172,7 +172,7 @@ class Trainer:
         mask_truncated = self.cfg.trainer.loss.mask_truncated
         use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
         defer = self.cfg.trainer.defer_grad_sync and self.world > 1
-        base_kl = self.policy.lora is not None and self.cfg.trainer.loss.kl_coef > 0
+        base_kl = self.cfg.reference == "base"
         unreduced = False  # a backward ran without reducing its gradients
         while True:
             tw, wall = time.perf_counter(), time.time()

@@ -4,8 +4,9 @@ A payload names the parameters every trainer rank gathers, in one order (`params
 gather is a collective), and what goes on the wire: tensors by the names the workers load
 them under (`wire`). A wire tensor is built from a run of consecutive gathered parameters
 (`sources`): one parameter for the full weights and the adapters, a base weight and its
-two factors for a merged push. `select_payload` picks one from the policy and
-`trainer.lora.push`.
+two factors for a merged push. Each names the push kind the workers receive it as
+(`kind`, inference/push_kinds: the same class on both sides). `select_payload` picks one
+from the policy and `trainer.lora.push`.
 
 - `FullWeights`: every parameter, by the model files' names and layout (fused experts go
   as the files' per-expert tensors).
@@ -24,6 +25,9 @@ from torch import Tensor, nn
 
 from async_grpo import adapters
 from async_grpo.adapters import ADAPTER_NAME, adapter_file_name, merged
+from async_grpo.inference.push_kinds.adapter import AdapterPush
+from async_grpo.inference.push_kinds.base import PushKind
+from async_grpo.inference.push_kinds.weights import WeightsPush
 from async_grpo.trainer import lora as lora_module
 from async_grpo.trainer.weight_names import file_layout
 
@@ -35,7 +39,7 @@ class Payload:
     """`params`: (name, parameter) in gather order; `sources[i]`: how many parameters from
     index i build wire tensors together (0 inside a run); `wire`: what is sent."""
 
-    kind = "weights"  # or "adapter": the workers serve it as a LoRA adapter
+    kind: type[PushKind] = WeightsPush  # what the workers do with it (inference/push_kinds)
 
     def __init__(self, hf: nn.Module) -> None:
         self.hf = hf
@@ -86,7 +90,7 @@ class FullWeights(Payload):
 
 
 class AdapterOnly(Payload):
-    kind = "adapter"
+    kind = AdapterPush
 
     def __init__(self, policy: nn.Module) -> None:
         super().__init__(policy.hf)

@@ -346,7 +346,7 @@ class WeightPusher:
             if self.transports[w] != "broadcast":
                 infos[w] = {"kind": self.transports[w], **self.slots.worker_info()}
         for info in infos.values():  # what the chunks hold: the weights, or an adapter
-            info["payload"] = self.payload.kind
+            info["payload"] = self.payload.kind.name
             info["adapter_config"] = self.adapter_config
         return infos
 

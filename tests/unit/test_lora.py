@@ -152,7 +152,7 @@ def test_a_push_sends_the_adapter_by_peft_names_or_the_merged_weights(model_dir)
                 fulls = [p.detach() for _, p in payload.params[index : index + n]]
                 out[name] = payload.build(index, fulls)[part].clone()
                 assert tuple(out[name].shape) == shape
-            sent[payload.kind if payload.kind == "adapter" else "merged"] = out
+            sent[payload.kind.name if payload.kind.name == "adapter" else "merged"] = out
 
     peft_model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
