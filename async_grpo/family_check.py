@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,38 @@ def packed_error(config: Any, attention: Any) -> float:
 
 def family_problem(config: Any, attentions: list[Any]) -> str | None:
     """None where the trainer is exact on `config`'s family with every backend in
-    `attentions`, else what was found (one line)."""
+    `attentions`, else what was found (one line). Quiet: the twin's progress bars, warnings
+    and log lines are kept off the console, whose refusals are one line."""
+    with _quiet():
+        return _family_problem(config, attentions)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    import io
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stderr(io.StringIO()),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _family_problem(config: Any, attentions: list[Any]) -> str | None:
     kind = getattr(config, "model_type", "?")
     for attention in attentions:
         try:

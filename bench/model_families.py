@@ -1,7 +1,10 @@
 """Per model family, a whole `async-grpo run` of a tiny random model: exit code, the
-sampler-vs-trainer mismatch at steps 1-3 and the push time.
+sampler-vs-trainer mismatch at steps 1-3 and the push time. With `--check`, instead, the
+start-up check (async_grpo/family_check.py) on every model type that both transformers and
+vLLM serve, from the type's default config: what a run of that family is told before Ray.
 
     python bench/model_families.py [--families gemma2,qwen3_moe] [--out outputs/families]
+    python bench/model_families.py --check
 
 Each family's model comes from async_grpo/model_families.py (SmolLM2's tokenizer, 2
 layers of width 128, windows of 16). The run is configs/arithmetic.yaml, on-policy
@@ -66,6 +69,47 @@ def run_family(family: str, out: Path, steps: int) -> dict:
     }
 
 
+def check_all() -> None:
+    """One row per model type served by both: ok, or the one line a run would refuse with,
+    for the dense path (the CPU trainer) and the flex path (the log-prob workers, CUDA)."""
+    import time
+    import warnings
+
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from async_grpo.core.attention import DenseAttention
+    from async_grpo.core.attention.base import layer_windows
+    from async_grpo.core.attention.flex import FlexAttention
+    from async_grpo.family_check import family_problem
+    from async_grpo.preflight import vllm_architectures
+
+    warnings.filterwarnings("ignore")
+    served = vllm_architectures()
+    kinds = sorted(
+        kind
+        for kind, arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+        if (arch if isinstance(arch, str) else arch[0]) in served
+    )
+    counts = {"dense": 0, "flex": 0}
+    for kind in kinds:
+        t0 = time.perf_counter()
+        row = []
+        for attention in (DenseAttention(), FlexAttention(max_tokens=256)):
+            try:
+                config = AutoConfig.for_model(kind)
+                layer_windows(config)
+                problem = family_problem(config, [attention])
+            except Exception as e:  # a config transformers cannot build, an unknown layer type
+                problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+            name = "dense" if isinstance(attention, DenseAttention) else "flex"
+            counts[name] += problem is None
+            row.append(f"{name} {'ok' if problem is None else 'refused: ' + problem[:150]}")
+        print(f"{kind:18s} {time.perf_counter() - t0:5.1f} s  " + " | ".join(row), flush=True)
+    print(f"{len(kinds)} model types; exact on the dense path: {counts['dense']},", end=" ")
+    print(f"on the flex path: {counts['flex']}; the rest refused before Ray")
+
+
 def main() -> None:
     import torch
 
@@ -76,8 +120,12 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "families")
+    ap.add_argument("--check", action="store_true", help="the start-up check of every type")
     args = ap.parse_args()
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()} ({cpu_kind()})", flush=True)
+    if args.check:
+        check_all()
+        return
     results = []
     for family in args.families.split(","):
         res = run_family(family, args.out / family, args.steps)
