@@ -103,6 +103,11 @@ def check_model(model_dir: Path, attentions: list[Any] | None = None) -> None:
         layer_windows(config)
     except ValueError as e:
         raise UserError(f"model {model_dir}: {e}") from None
+    from async_grpo.model_families import ENGINE_REFUSED
+
+    for arch in archs:
+        if arch in ENGINE_REFUSED:
+            raise UserError(f"model {model_dir}: {arch}: {ENGINE_REFUSED[arch]}; not supported")
     if attentions:
         from async_grpo.family_check import family_problem
 

@@ -2,6 +2,7 @@
 starts, with exit code 2 and one line naming what, where and what was expected."""
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -65,6 +66,22 @@ def test_a_model_no_library_can_load(tmp_path, tiny_model_dir):
     config["architectures"] = ["NoSuchForCausalLM"]  # transformers reads it; vLLM does not
     (folder / "config.json").write_text(json.dumps(config))
     _refused(_run(tmp_path, f"model={folder}"), "vLLM", "NoSuchForCausalLM")
+
+
+def test_families_the_run_cannot_train_exactly_are_refused(tmp_path, smollm2_dir):
+    """Through the real command, before Ray: a family the engine computes otherwise
+    (measured, by architecture), and one the trainer's packed path gets wrong, found by the
+    start-up check on a small random twin (Bloom's ALiBi)."""
+    from async_grpo.model_families import make_family_model
+
+    neox = make_family_model("gpt_neox", tmp_path / "neox", smollm2_dir)
+    _refused(_run(tmp_path, f"model={neox}"), "GPTNeoXForCausalLM", "Transformers backend")
+    bloom = tmp_path / "bloom"
+    shutil.copytree(neox, bloom)
+    config = json.loads((bloom / "config.json").read_text())
+    config |= {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "n_head": 2}
+    (bloom / "config.json").write_text(json.dumps(config))
+    _refused(_run(tmp_path, f"model={bloom}"), "'bloom'", "packed path")
 
 
 def _without_chat_template(tmp_path, tiny_model_dir):
