@@ -111,7 +111,6 @@ def check_all() -> None:
 
 
 def main() -> None:
-    import torch
 
     from async_grpo.model_families import FAMILIES
     from async_grpo.precision import cpu_kind
@@ -122,7 +121,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "families")
     ap.add_argument("--check", action="store_true", help="the start-up check of every type")
     args = ap.parse_args()
-    print(f"cpu: {torch.backends.cpu.get_cpu_capability()} ({cpu_kind()})", flush=True)
+    print(f"cpu: {cpu_kind()}", flush=True)
     if args.check:
         check_all()
         return
