@@ -33,7 +33,15 @@ SPANS = [
 ]
 
 
-def test_span_log_keeps_real_spans_until_taken():
+def test_span_log_keeps_real_spans_until_taken(monkeypatch):
+    import itertools
+
+    import async_grpo.timeline as timeline
+
+    # a clock that moves 0.2 ms a reading: each span below is under a millisecond, however
+    # busy the machine that runs the test
+    ticks = itertools.count()
+    monkeypatch.setattr(timeline.time, "time", lambda: 100.0 + 0.0002 * next(ticks))
     log = SpanLog("trainer")
     with log.span("push"):
         pass  # under a millisecond: not kept
