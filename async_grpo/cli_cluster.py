@@ -2,16 +2,20 @@
 
 `async-grpo worker` joins a running Ray cluster, starts workers on this node, registers
 them, and stays up until Ctrl-C or `async-grpo stop`; then it drains and exits.
-Launching it on every node is how a multi-node cluster is built.
+Launching it on every node is how a multi-node cluster is built. Like `async-grpo run` it
+names itself (RUN_ID_ENV): its workers' files in /dev/shm (adapter folders) go in one
+folder, swept when a dead worker is replaced and when it stops (async_grpo/shm_files.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import socket
 import time
+import uuid
 from typing import Any
 
 from async_grpo.errors import UserError
@@ -73,14 +77,17 @@ def run_worker(args: argparse.Namespace) -> int:
         args.model = cfg.model
     from async_grpo.inference.launch import stop_workers
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
+    from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
     _connect(args.address)
+    run_id = os.environ.setdefault(RUN_ID_ENV, f"worker-{uuid.uuid4().hex[:8]}")
     workers = _start(args, cfg)
     print(
         f"{len(workers)} {args.mode} worker(s) registered; Ctrl-C or `async-grpo stop` ends them",
         flush=True,
     )
-    supervisor = PoolSupervisor(cfg.max_worker_restarts)  # a dead worker is replaced
+    # a dead worker is replaced, and its files in /dev/shm removed
+    supervisor = PoolSupervisor(cfg.max_worker_restarts, sweep=lambda: remove_orphans(run_id))
     supervisor.watch(args.mode, workers, lambda: _start(args, cfg, 1))
     stop = {"signal": 0}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -97,6 +104,7 @@ def run_worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop undisturbed
         signal.signal(sig, signal.SIG_IGN)
     stop_workers(supervisor.workers)
+    remove_run(run_id)
     print(f"{args.mode} workers stopped", flush=True)
     return 128 + stop["signal"] if stop["signal"] else code
 

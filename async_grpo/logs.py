@@ -40,11 +40,16 @@ def actor_runtime_env(
     runtime_env: dict[str, Any] | None, logs: Path | None, name: str
 ) -> dict[str, Any]:
     """`runtime_env` plus, when `logs` is set, the variable that sends this actor's output
-    to `logs/NAME.log`; unchanged otherwise (the output then streams to the driver)."""
+    to `logs/NAME.log` (else the output streams to the driver), and the run's id where this
+    process has one (the actor's files in /dev/shm go in the run's folder: shm_files.py)."""
+    from async_grpo.shm_files import RUN_ID_ENV
+
     env = dict(runtime_env or {})
-    if logs is None:
-        return env
-    env["env_vars"] = {**env.get("env_vars", {}), LOG_FILE_ENV: str(logs / f"{name}.log")}
+    extra = {RUN_ID_ENV: os.environ[RUN_ID_ENV]} if os.environ.get(RUN_ID_ENV) else {}
+    if logs is not None:
+        extra[LOG_FILE_ENV] = str(logs / f"{name}.log")
+    if extra:
+        env["env_vars"] = {**env.get("env_vars", {}), **extra}
     return env
 
 

@@ -4,7 +4,8 @@ Starts (or joins, with --address) a Ray cluster, then the generation / verifier 
 pools and the trainer under torchrun side by side (a child process that joins the same
 cluster and waits for the pools before it uses them). Output is streamed; on exit, error or
 Ctrl-C everything it started is stopped: the torchrun process group, the pool actors, the
-Ray head and the ranks' shared-memory weight files (no orphan raylets, engines or ranks).
+Ray head and the run's files in /dev/shm (weight slots, adapter folders: shm_files.py), so
+no orphan raylet, engine, rank or file is left.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from async_grpo.config import RunConfig
 from async_grpo.errors import EXIT_FILE_ENV
-from async_grpo.transports.shm import RUN_ID_ENV, remove_weight_files, weight_file_pattern
+from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run, run_folder
 
 HEAD_START_TIMEOUT_S = 120.0
 POOL_ORDER = ("verifier", "environment", "logprob", "generation")  # quickest first
@@ -98,18 +99,14 @@ for pid in doomed:
             kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-import glob
-for path in glob.glob(sys.argv[1]):  # the run's weight files (its ranks cannot remove them)
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+import shutil  # the run's folder in /dev/shm: its killed processes cannot empty it
+shutil.rmtree(sys.argv[1], ignore_errors=True)
 """
 
 
 class Watchdog:
     """Kills the named processes, their descendants and their groups once this process is
-    gone, however it ended, then removes the files matching `leftovers` (a glob)."""
+    gone, however it ended, then removes the folder `leftovers` (the run's, in /dev/shm)."""
 
     def __init__(self, leftovers: str) -> None:
         self.proc = subprocess.Popen(
@@ -287,10 +284,13 @@ def run_local(
 
     model_dir = checked_before_ray(cfg, resume)
     head: LocalHead | None = None
-    run_id = os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:8]  # a test may name it
-    # a `run` killed outright leaves no head, no ranks and no weight files behind
-    watchdog = Watchdog(weight_file_pattern(run_id))
-    supervisor = PoolSupervisor(cfg.max_worker_restarts)
+    given_id = os.environ.get(RUN_ID_ENV)
+    run_id = given_id or uuid.uuid4().hex[:8]  # a test may name it
+    os.environ[RUN_ID_ENV] = run_id  # the head and every actor started here inherit it
+    # a `run` killed outright leaves no head, no ranks and no files in /dev/shm behind
+    watchdog = Watchdog(str(run_folder(run_id)))
+    # a dead worker's files in /dev/shm are swept when it is replaced
+    supervisor = PoolSupervisor(cfg.max_worker_restarts, sweep=lambda: remove_orphans(run_id))
     workers: list[Any] = []
     trainer: subprocess.Popen | None = None
     logs = None if verbose else log_dir(cfg.output_dir)
@@ -367,9 +367,11 @@ def run_local(
             ray.shutdown()
         if head is not None:
             head.stop()
-        remove_weight_files(run_id)  # the ranks remove theirs, unless they were killed
+        remove_run(run_id)  # weight slots and adapter folders, whoever made them
         watchdog.close()
         shutil.rmtree(exit_dir, ignore_errors=True)
+        if given_id is None:
+            del os.environ[RUN_ID_ENV]
 
 
 def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
@@ -434,7 +436,7 @@ def trainer_env(
     cfg: RunConfig, exit_file: Path, ready_file: Path, run_id: str, verbose: bool
 ) -> dict[str, str]:
     """The torchrun ranks' environment: where to leave their exit code, when the pools
-    are ready, the run's id (its weight files), their threads."""
+    are ready, the run's id (its files in /dev/shm), their threads."""
     env = {
         **os.environ,
         EXIT_FILE_ENV: str(exit_file),

@@ -4,6 +4,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,12 +71,19 @@ def loop_command(model_dir: Path, out: Path, steps: int, *extra: str) -> list[st
 
 
 def run_loop(
-    model_dir: Path, out: Path, steps: int, *extra: str, cores: dict | None = None
+    model_dir: Path,
+    out: Path,
+    steps: int,
+    *extra: str,
+    cores: dict | None = None,
+    env: dict[str, str] | None = None,
+    watch: Callable[[], None] | None = None,
 ) -> list[dict]:
     """`loop_command` run to its end (exit 0 asserted); its console kept in
     out/console.txt; returns its metrics rows. With `cores`, it is filled while the run
     trains (from its first metrics row on) with the cores each of the run's processes may
-    use, read from outside (`process_cores`)."""
+    use, read from outside (`process_cores`). `env`: more environment for the run (faults
+    to inject, its id); `watch()` is called every 0.2 s while it runs."""
     import json
     import subprocess
 
@@ -83,13 +91,17 @@ def run_loop(
     console = out.parent / f"{out.name}-console.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     with console.open("w") as f:
-        proc = subprocess.Popen(cmd, env=plugin_env(), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env={**plugin_env(), **(env or {})}, stdout=f, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 900
         while proc.poll() is None:
             assert time.monotonic() < deadline, "the whole-loop run did not end in 900 s"
             if cores is not None and (out / "training_metrics.jsonl").exists():
                 for role, seen in process_cores(proc.pid).items():
                     cores.setdefault(role, set()).update(seen)
+            if watch is not None:
+                watch()
             time.sleep(0.2)
     text = console.read_text()
     assert proc.returncode == 0, text[-6000:]

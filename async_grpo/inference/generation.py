@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from async_grpo.inference.types import (
     SamplingSettings,
 )
 from async_grpo.inference.worker_base import RegisteredWorker
+from async_grpo.shm_files import new_entry
 
 ENGINE_WATCH_S = 0.5  # how often a worker checks that its engine core still runs
 
@@ -110,8 +110,8 @@ class GenerationWorker(RegisteredWorker):
             **lora_engine_args(self.adapters),
         )
         if self.adapters is not None:
-            shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-            self.lora = AdapterVersions(shm / f"async-grpo-adapters-{self.worker_id}-{os.getpid()}")
+            # in the run's folder in /dev/shm, which the run sweeps however this worker ends
+            self.lora = AdapterVersions(Path(new_entry(f"adapters-{self.worker_id}")))
         claim_engine_processes()  # they end with this actor, however it ends
         self.engine = AsyncLLM.from_engine_args(args)
         self._engine_watch = asyncio.get_running_loop().create_task(self._watch_engine())

@@ -5,7 +5,9 @@ crashed) is dropped from its registry and a new one of the same pool is started.
 worker registers, loads the newest checkpoint and joins the next weight push; requests
 the dead one held are retried elsewhere by the pool clients. Restarts are counted in the
 pool's registry (`pool/<name>/restarts` in the metrics) and capped by `max_worker_restarts`
-over the run, so a crash loop ends the run with one line instead of spinning.
+over the run, so a crash loop ends the run with one line instead of spinning. After each
+death the run's files of the dead process in /dev/shm are swept (`sweep`,
+async_grpo/shm_files.py).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ class RestartLimit(RuntimeError):
 
 
 class PoolSupervisor:
-    def __init__(self, max_restarts: int) -> None:
+    def __init__(self, max_restarts: int, sweep: Callable[[], Any] | None = None) -> None:
+        """`sweep()` runs after each death is found (the dead process's files)."""
         self.max_restarts = max_restarts
         self.restarts = 0
+        self.sweep = sweep
         self.pools: dict[str, tuple[list[Any], Callable[[], list[Any]]]] = {}
         self._last = 0.0
 
@@ -56,6 +60,8 @@ class PoolSupervisor:
                 except RayActorError:
                     pass
                 self.restarts += 1
+                if self.sweep is not None:
+                    self.sweep()
                 if self.restarts > self.max_restarts:
                     raise RestartLimit(
                         f"pool {pool!r}: a worker died; worker deaths in this run: {self.restarts}"

@@ -2,38 +2,18 @@
 
 Trainer rank 0 writes a chunk into a slot; the worker maps the same file and reads the
 chunk in place, so the bytes are copied once (trainer -> slot) before vLLM loads them.
-The file is created once per set of workers and reused for every push.
+The file is created once per set of workers and reused for every push; under `async-grpo
+run` it lies in the run's folder (async_grpo/shm_files.py).
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import uuid
 
 import torch
 
+from async_grpo.shm_files import SHM_DIR, new_entry
 from async_grpo.transports.base import Receiver
-
-SHM_DIR = "/dev/shm"
-# set by `async-grpo run` for its ranks: their weight files carry the run's id, so the run
-# removes them however its trainer ended (killed ranks cannot remove their own)
-RUN_ID_ENV = "ASYNC_GRPO_RUN_ID"
-
-
-def weight_file_pattern(run_id: str, directory: str = SHM_DIR) -> str:
-    return os.path.join(directory, f"async-grpo-weights-{run_id}-*")
-
-
-def remove_weight_files(run_id: str, directory: str = SHM_DIR) -> int:
-    """Remove the weight files of run `run_id`; how many there were."""
-    found = glob.glob(weight_file_pattern(run_id, directory))
-    for path in found:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:  # its rank removed it meanwhile
-            continue
-    return len(found)
 
 
 def shm_room(directory: str = SHM_DIR) -> int:
@@ -59,9 +39,9 @@ class SharedSlots:
                 f" {need / 2**20:.0f} MiB (enlarge it, e.g. docker --shm-size, or set"
                 " trainer.weight_transport: broadcast)"
             )
-        run = os.environ.get(RUN_ID_ENV)
-        name = f"{run}-{uuid.uuid4().hex[:12]}" if run else uuid.uuid4().hex[:12]
-        self.path = os.path.join(directory, f"async-grpo-weights-{name}")
+        # in the run's folder, which the run removes however its trainer ended (a killed
+        # rank cannot remove its own file); shm_files.py
+        self.path = new_entry("weights", directory)
         # 0600: the weights are the run's own (the workers run as the same user)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

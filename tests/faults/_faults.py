@@ -1,8 +1,7 @@
 """The fault suite's helpers: start `async-grpo run` with faults to inject, find every
-process of that run (by an environment tag each one inherits, not by name), read its
-metrics and check the sample books."""
+process of that run (by an environment tag each one inherits, not by name) and every file
+it made in /dev/shm, read its metrics and check the sample books."""
 
-import glob
 import json
 import signal
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from _cli import plugin_env, run_command
 
-from async_grpo.transports.shm import RUN_ID_ENV, weight_file_pattern
+from async_grpo.shm_files import RUN_ID_ENV, left
 
 TAG = "ASYNC_GRPO_TEST_RUN"
 
@@ -41,7 +40,7 @@ def start(cmd: list[str], out: Path, faults: str = "") -> tuple[subprocess.Popen
     env = {
         **plugin_env(),
         TAG: tag,
-        RUN_ID_ENV: tag,  # names the run's shared-memory weight files
+        RUN_ID_ENV: tag,  # names the run's folder in /dev/shm (weight slots, adapters)
         "ASYNC_GRPO_FAULTS": faults,
         "ASYNC_GRPO_FAULT_DIR": str(out / "faults"),
     }
@@ -93,15 +92,16 @@ def run_pids(tag: str) -> set[int]:
 
 
 def assert_all_gone(tag: str, within_s: float = 60.0) -> float:
-    """Wait until no process of the run is left; the seconds that took. No shared-memory
-    weight file of the run may be left either (a killed rank cannot remove its own)."""
+    """Wait until no process of the run is left; the seconds that took. No file of the run
+    may be left in /dev/shm either: no weight file, no adapter folder (a killed rank or
+    worker cannot remove its own)."""
     t = time.monotonic()
-    while (left := run_pids(tag)) and time.monotonic() - t < within_s:
+    while (alive := run_pids(tag)) and time.monotonic() - t < within_s:
         time.sleep(0.5)
-    files = glob.glob(weight_file_pattern(tag))
-    assert not files, f"weight files left behind: {files}"
+    files = left(tag) + [str(p) for p in Path("/dev/shm").glob(f"*{tag}*")]
+    assert not files, f"files left behind in /dev/shm: {files}"
     names = {}
-    for p in left:
+    for p in alive:
         try:
             names[p] = Path(f"/proc/{p}/cmdline").read_bytes()[:120]
         except OSError:

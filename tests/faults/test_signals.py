@@ -1,10 +1,13 @@
 """Ctrl-C, SIGTERM, SIGHUP or even SIGKILL of `async-grpo run` leaves no process of the
 run behind (counted by a tag every process of the run inherits): no raylet, no engine, no
-rank. The first three stop it like Ctrl-C (exit 128 + the signal); after SIGKILL the
-watchdog beside the head kills the head's and the trainer's groups."""
+rank; and no file in /dev/shm: the runs push LoRA adapters, so the generation worker serves
+them from folders there beside the trainer's weight slots. The first three stop it like
+Ctrl-C (exit 128 + the signal); after SIGKILL the watchdog beside the head kills the
+head's and the trainer's groups and removes the run's folder in /dev/shm."""
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from _faults import (
@@ -17,6 +20,8 @@ from _faults import (
     tiny_run,
     wait_for_steps,
 )
+
+from async_grpo.shm_files import left
 
 pytestmark = pytest.mark.faults
 
@@ -34,11 +39,21 @@ pytestmark = pytest.mark.faults
     ids=lambda v: v.name if isinstance(v, signal.Signals) else "",
 )
 def test_a_signal_stops_everything(sig, code, line, tiny_model_dir, tmp_path):
-    cmd = tiny_run(tiny_model_dir, tmp_path, "trainer.max_steps=1000", "trainer.save_every=0")
+    cmd = tiny_run(
+        tiny_model_dir,
+        tmp_path,
+        "trainer.max_steps=1000",
+        "trainer.save_every=0",
+        "trainer.lora.rank=8",
+    )
     proc, tag = start(cmd, tmp_path)
     try:
         wait_for_steps(proc, tmp_path, 1)
         assert len(run_pids(tag)) >= 6  # the run did start Ray, engines and a rank
+        deadline = time.monotonic() + 60  # and served a pushed adapter from /dev/shm
+        while not any(Path(e).name.startswith("adapters-") for e in left(tag)):
+            assert time.monotonic() < deadline, f"no adapter folder in /dev/shm: {left(tag)}"
+            time.sleep(0.2)
         t = time.monotonic()
         proc.send_signal(sig)
         out = finish(proc, tmp_path, timeout_s=180)

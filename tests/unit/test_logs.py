@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 from async_grpo.logs import LOG_FILE_ENV, actor_runtime_env
+from async_grpo.shm_files import RUN_ID_ENV
 
 
-def test_runtime_env_names_the_log_file_only_when_quiet(tmp_path):
+def test_runtime_env_names_the_log_file_only_when_quiet(tmp_path, monkeypatch):
+    monkeypatch.delenv(RUN_ID_ENV, raising=False)
     base = {"env_vars": {"OMP_NUM_THREADS": "1"}}
     assert actor_runtime_env(base, None, "gen-1") == base  # verbose: unchanged
     env = actor_runtime_env(base, tmp_path / "logs", "gen-1")
@@ -20,6 +22,8 @@ def test_runtime_env_names_the_log_file_only_when_quiet(tmp_path):
         LOG_FILE_ENV: str(tmp_path / "logs/gen-1.log"),
     }
     assert base == {"env_vars": {"OMP_NUM_THREADS": "1"}}  # the caller's dict is not changed
+    monkeypatch.setenv(RUN_ID_ENV, "r1")  # in a run: its files in /dev/shm go in its folder
+    assert actor_runtime_env(None, None, "gen-1") == {"env_vars": {RUN_ID_ENV: "r1"}}
 
 
 def test_to_file_captures_the_process_and_its_children(tmp_path):

@@ -1,15 +1,21 @@
 """How `async-grpo run` starts and cleans up, in pieces: the engine's process layout, the
-ranks' wait for the pools, the run's weight files."""
+ranks' wait for the pools, the run's files in /dev/shm."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from async_grpo.config import GenerationConfig
 from async_grpo.inference.engine_args import vllm_env
 from async_grpo.run import POOLS_READY_ENV, wait_for_pools
-from async_grpo.transports.shm import RUN_ID_ENV, SharedSlots, remove_weight_files
+from async_grpo.shm_files import RUN_ID_ENV, left, new_entry, remove_orphans, remove_run
+from async_grpo.transports.shm import SharedSlots
 
 
 def test_unbound_engines_run_the_model_in_the_engine_core(monkeypatch):
@@ -43,15 +49,53 @@ def test_pools_that_never_come_up_end_the_wait_naming_them(monkeypatch, tmp_path
         wait_for_pools(timeout_s=1)
 
 
-def test_a_run_removes_its_weight_files_and_only_those(monkeypatch, tmp_path):
+def test_a_run_removes_its_files_and_only_those(monkeypatch, tmp_path):
+    """Weight slots and adapter folders of a run lie in its folder; one sweep removes them
+    all, and nothing of another run or of a process outside any run."""
     monkeypatch.setenv(RUN_ID_ENV, "run1")
     mine = SharedSlots(1024, directory=str(tmp_path))
+    adapters = Path(new_entry("adapters-gen-1", str(tmp_path)))
+    (adapters / "v1-1").mkdir(parents=True)
     monkeypatch.setenv(RUN_ID_ENV, "run2")
     other = SharedSlots(1024, directory=str(tmp_path))
-    assert remove_weight_files("run1", directory=str(tmp_path)) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [other.path.rsplit("/", 1)[1]]
-    assert mine.path.rsplit("/", 1)[1].startswith("async-grpo-weights-run1-")
+    monkeypatch.delenv(RUN_ID_ENV)
+    alone = SharedSlots(1024, directory=str(tmp_path))  # a trainer started by hand
+    assert Path(mine.path).parent == adapters.parent == tmp_path / "async-grpo-run-run1"
+    assert Path(alone.path).name.startswith(f"async-grpo-weights-{os.getpid()}-")
+    assert remove_run("run1", str(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["async-grpo-run-run2", Path(alone.path).name]
+    )
     other.close()
+    alone.close()
+
+
+def test_a_replaced_workers_files_are_swept_and_the_live_ones_kept(monkeypatch, tmp_path):
+    """What the supervisor does when it replaces a dead worker: the entries of the run whose
+    process is gone (here a real process, SIGKILLed as the OOM killer does) are removed."""
+    make = (
+        "import os, sys; from pathlib import Path; from async_grpo.shm_files import new_entry;"
+        " p = Path(new_entry('adapters-gen-2', sys.argv[1])); (p / 'v3-1').mkdir(parents=True);"
+        " print(p, flush=True); sys.stdin.read()"
+    )
+    env = {**os.environ, RUN_ID_ENV: "run3"}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", make, str(tmp_path)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    dead = worker.stdout.readline().strip()
+    monkeypatch.setenv(RUN_ID_ENV, "run3")
+    live = SharedSlots(1024, directory=str(tmp_path))  # this process: alive
+    assert left("run3", str(tmp_path)) == sorted([dead, live.path])
+    assert remove_orphans("run3", str(tmp_path)) == []  # both alive
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(timeout=30)
+    assert remove_orphans("run3", str(tmp_path)) == [dead]
+    assert left("run3", str(tmp_path)) == [live.path]
+    live.close()
 
 
 def test_the_trainer_failure_line_names_the_cause_not_its_consequences(tmp_path):
