@@ -1,6 +1,7 @@
 """The `async-grpo` console script: parse arguments, import the heavy code lazily, run.
 
-A `UserError` anywhere below becomes one line on stderr and exit code 2.
+A `UserError` anywhere below becomes one line on stderr and exit code 2 (in a rank of
+`async-grpo run`, the run's cause line, which `run` prints: async_grpo/cause.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import signal
 import sys
 from pathlib import Path
 
+from async_grpo.cause import CAUSE_FILE_ENV
+from async_grpo.cause import record as record_cause
 from async_grpo.cli_cluster import add_cluster_parsers
 from async_grpo.errors import EXIT_FILE_ENV, UserError
 from async_grpo.plot_cli import add_plot_parser, add_timeline_parser
@@ -303,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"async-grpo: error: {e}", file=sys.stderr)
+        line = f"async-grpo: error: {e}"
+        if os.environ.get(CAUSE_FILE_ENV):  # a rank of `async-grpo run`: the run prints the
+            record_cause(line)  # first cause recorded, once it has stopped (cause.py)
+        else:
+            print(line, file=sys.stderr)
         exit_file = os.environ.get(EXIT_FILE_ENV)  # set by `async-grpo run` for its ranks
         if exit_file:  # torchrun itself exits 1 whatever its ranks' codes were
             Path(exit_file).write_text(f"{e.exit_code}\n")

@@ -76,7 +76,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.mode not in NO_MODEL and args.model is None:
         args.model = cfg.model
     from async_grpo.inference.launch import stop_workers
-    from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
+    from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit, pool_subject
     from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
     _connect(args.address)
@@ -88,7 +88,8 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     # a dead worker is replaced, and its files in /dev/shm removed
     supervisor = PoolSupervisor(cfg.max_worker_restarts, sweep=lambda: remove_orphans(run_id))
-    supervisor.watch(args.mode, workers, lambda: _start(args, cfg, 1))
+    subject = pool_subject(cfg, args.mode, args.model)
+    supervisor.watch(args.mode, workers, lambda: _start(args, cfg, 1), subject)
     stop = {"signal": 0}
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _: stop.update(signal=signum))

@@ -82,7 +82,9 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):  # each sets its own level (WARNING):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # "Received 15 death signal"
     try:
         run(parse_args(argv))
     except ChildFailedError as e:

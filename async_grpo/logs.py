@@ -5,12 +5,19 @@ ASYNC_GRPO_LOG_FILE=OUTPUT_DIR/logs/NAME.log (`actor_runtime_env`); the actor's 
 calls `to_file`, which points the process's stdout and stderr (file descriptors 1 and 2,
 so also those of its children, e.g. vLLM's engine core) at that file. The console keeps
 the start-up lines, the progress bar and the project's own errors.
+
+Ray itself prints one more kind of line in every driver, whatever `log_to_driver` says: the
+errors its raylet pushes to a job ("(raylet) A worker died or was killed ..."), from a
+thread of its own. A quiet driver sends them to OUTPUT_DIR/logs/ray.log instead
+(`ray_errors_to_file`): a worker's death is said by the run's own lines (the replacement,
+or the cause the run stops with: async_grpo/cause.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +68,25 @@ def quiet_libraries() -> None:
         return
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def ray_errors_to_file(path: Path) -> None:
+    """In a quiet driver: the error lines Ray's raylet pushes to this process's job are
+    appended to `path`, with the time, instead of printed. (Ray's listener thread looks up
+    `print_to_stdstream` in its module at each message; other output passes through.)"""
+    from ray._private import worker
+
+    printed = worker.print_to_stdstream
+    original = getattr(printed, "original", printed)
+
+    def to_file(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            original(data, ignore_prefix)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with path.open("a") as f:
+            f.writelines(f"{stamp} (raylet) {line}\n" for line in data.get("lines", []))
+
+    to_file.original = original  # type: ignore[attr-defined]
+    worker.print_to_stdstream = to_file

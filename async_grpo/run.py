@@ -5,7 +5,8 @@ pools and the trainer under torchrun side by side (a child process that joins th
 cluster and waits for the pools before it uses them). Output is streamed; on exit, error or
 Ctrl-C everything it started is stopped: the torchrun process group, the pool actors, the
 Ray head and the run's files in /dev/shm (weight slots, adapter folders: shm_files.py), so
-no orphan raylet, engine, rank or file is left.
+no orphan raylet, engine, rank or file is left. A run that fails ends with one cause line,
+the first one recorded (cause.py), and where the workers' logs are.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from async_grpo.cause import CAUSE_FILE_ENV
+from async_grpo.cause import record as record_cause
+from async_grpo.cause import recorded as recorded_cause
 from async_grpo.config import RunConfig
 from async_grpo.errors import EXIT_FILE_ENV
 from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run, run_folder
@@ -278,8 +282,8 @@ def run_local(
     import ray
 
     from async_grpo.inference import launch
-    from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit
-    from async_grpo.logs import log_dir, quiet_libraries
+    from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit, pool_subject
+    from async_grpo.logs import log_dir, quiet_libraries, ray_errors_to_file
     from async_grpo.ray_utils import connect
 
     model_dir = checked_before_ray(cfg, resume)
@@ -298,6 +302,7 @@ def run_local(
         quiet_libraries()
     code = 1
     exit_dir = Path(tempfile.mkdtemp(prefix="async-grpo-run-"))
+    cause_file = exit_dir / "cause"  # the first cause recorded, printed at the end
     try:
         if address is None:
             head = LocalHead(num_cpus=16, object_store_bytes=1 << 30)
@@ -305,6 +310,8 @@ def run_local(
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)
         connect(address, log_to_driver=verbose)
+        if logs is not None:  # Ray's "(raylet) A worker died ..." lines: not on the console
+            ray_errors_to_file(logs / "ray.log")
         if threading.current_thread() is threading.main_thread():  # ray.init set its own
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, stop_on_signal)
@@ -320,28 +327,33 @@ def run_local(
         exit_file, ready_file = exit_dir / "trainer_exit", exit_dir / "pools_ready"
         trainer = subprocess.Popen(
             torchrun_command(cfg, config_path, overrides, address, resume, verbose),
-            env=trainer_env(cfg, exit_file, ready_file, run_id, verbose),
+            env=trainer_env(cfg, exit_file, ready_file, run_id, verbose, cause_file),
             start_new_session=True,
         )
         watchdog.guard(trainer.pid)
         workers = [w for pending in starting.values() for w in pending.workers]
         if _pools_started(starting, trainer):
             for pool, pending in starting.items():
-                supervisor.watch(pool, pending.workers, lambda s=starters[pool]: s(1).wait())
+                supervisor.watch(
+                    pool,
+                    pending.workers,
+                    lambda s=starters[pool]: s(1).wait(),
+                    pool_subject(cfg, pool),
+                )
             ready_file.write_text(f"{len(workers)}\n")
         while (code := trainer.poll()) is None:
             time.sleep(1.0)
             for line in supervisor.check():  # dead pool workers are replaced
                 print(line, flush=True)
-        if code and exit_file.is_file():  # a rank stopped on a user error (one line said)
+        if code and exit_file.is_file():  # a rank stopped on a user error (its line recorded)
             code = int(exit_file.read_text())
         if code not in (0, 2):
             print(
                 _trainer_died(code, exit_file, cfg.output_dir, config_path, overrides), flush=True
             )
         return code
-    except RestartLimit as e:
-        print(str(e), flush=True)
+    except RestartLimit as e:  # a pool cannot work: the run's cause, unless one came first
+        record_cause(str(e), cause_file)
         code = 1
         return code
     except Stopped as e:
@@ -356,8 +368,6 @@ def run_local(
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # clean up undisturbed;
                 signal.signal(sig, signal.SIG_IGN)  # SIGKILL still works: the watchdog
-        if code not in (0, 130, 143, 129) and logs is not None and logs.is_dir():
-            print(f"the run failed; the workers' logs are in {logs}/", flush=True)
         if trainer is not None:
             stop_trainer(trainer)
         workers = supervisor.workers or workers
@@ -369,6 +379,11 @@ def run_local(
             head.stop()
         remove_run(run_id)  # weight slots and adapter folders, whoever made them
         watchdog.close()
+        if code not in (0, 130, 143, 129):  # the last lines, once everything has stopped
+            if cause := recorded_cause(cause_file):
+                print(cause, flush=True)
+            if logs is not None and logs.is_dir():
+                print(f"the run failed; the workers' logs are in {logs}/", flush=True)
         shutil.rmtree(exit_dir, ignore_errors=True)
         if given_id is None:
             del os.environ[RUN_ID_ENV]
@@ -433,13 +448,19 @@ def pool_starters(
 
 
 def trainer_env(
-    cfg: RunConfig, exit_file: Path, ready_file: Path, run_id: str, verbose: bool
+    cfg: RunConfig,
+    exit_file: Path,
+    ready_file: Path,
+    run_id: str,
+    verbose: bool,
+    cause_file: Path | None = None,
 ) -> dict[str, str]:
-    """The torchrun ranks' environment: where to leave their exit code, when the pools
-    are ready, the run's id (its files in /dev/shm), their threads."""
+    """The torchrun ranks' environment: where to leave their exit code and a cause line,
+    when the pools are ready, the run's id (its files in /dev/shm), their threads."""
     env = {
         **os.environ,
         EXIT_FILE_ENV: str(exit_file),
+        CAUSE_FILE_ENV: str(cause_file or exit_file.with_name("cause")),
         POOLS_READY_ENV: str(ready_file),
         RUN_ID_ENV: run_id,
         "OMP_NUM_THREADS": str(cfg.trainer.threads),

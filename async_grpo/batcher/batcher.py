@@ -92,6 +92,9 @@ class ExperienceBatcher:
         # first reasons, which the trainer asks for when it reports or stops on them
         self.score_failures: dict[int, list[Any]] = defaultdict(lambda: [0, 0, []])
         self.failure_reasons: dict[int, list[str]] = {}
+        # per step: what its failed group attempts said (cause -> workers), then the causes
+        self.group_failures: dict[int, dict[str, set[str]]] = {}
+        self.group_causes: dict[int, list[str]] = {}
         self.error: str | None = None
         self._groups: dict[int, dict[int, list[ScoredSample] | None]] = defaultdict(dict)
         self._preloaded: dict[int, list[list[ScoredSample] | None]] = {}
@@ -146,6 +149,7 @@ class ExperienceBatcher:
             self.score_failures,
             self.score_spans,
             self._kl,
+            self.group_failures,
         )
         await self.clock.read(self._clients["generation"])  # the window starts here
         self._version_changed = asyncio.Condition()
@@ -214,6 +218,10 @@ class ExperienceBatcher:
     async def score_failure_reasons(self, step: int) -> list[str]:
         """The first reasons (up to 3) why samples of `step` failed to score."""
         return self.failure_reasons.get(step, [])
+
+    async def group_failure_causes(self, step: int) -> list[str]:
+        """What the failed group attempts of `step` said, first seen first (up to 3)."""
+        return self.group_causes.get(step, [])
 
     async def get(self, rank: int, timeout_s: float) -> Minibatch | EndOfBatch | PushNow:
         """The next item for `rank`: minibatches of the current step, then its EndOfBatch."""
@@ -482,6 +490,8 @@ class ExperienceBatcher:
         out["verifier/step_failures"], out["verifier/step_scored"] = float(failed), float(scored)
         self.failure_reasons[step] = reasons
         self.failure_reasons.pop(step - 16, None)  # bounded: the trainer asks within a step
+        self.group_causes[step] = report.failure_causes(self.group_failures.pop(step, {}))
+        self.group_causes.pop(step - 16, None)
         budget = self.counters.get("packed_budget", 0.0)
         if budget:
             out["packing_efficiency"] = self.counters["packed_tokens"] / budget

@@ -9,12 +9,13 @@ the step's books (`samples/*`, `dropped/*`), so the books balance whatever happe
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from async_grpo.batcher.single_turn import single_turn_group
+from async_grpo.batcher.stats import attempt_failure
 from async_grpo.batcher.types import ScoredSample
 from async_grpo.config import RunConfig
 from async_grpo.core.advantages import group_advantages
@@ -29,7 +30,8 @@ GROUP_ATTEMPTS = 3
 @dataclass
 class GroupMaker:
     """Makes groups for the batcher; the dicts are the batcher's, shared (per step: the
-    books, the scoring failures and the scoring spans of the timeline)."""
+    books, the scoring failures, the scoring spans of the timeline and what the failed
+    attempts said: cause -> the workers that said it)."""
 
     cfg: RunConfig
     prompts: list[Prompt]
@@ -39,6 +41,7 @@ class GroupMaker:
     score_failures: dict[int, list[Any]]
     score_spans: dict[int, list[dict]]
     kl: bool  # the KL penalty is on: each group gets reference log-probs
+    group_failures: dict[int, dict[str, set[str]]] = field(default_factory=dict)
 
     async def find(
         self, step: int, slot: int, index: int, attempts: int = GROUP_ATTEMPTS
@@ -62,7 +65,12 @@ class GroupMaker:
                 break
             except (PoolUnavailable, TimeoutError, EnvironmentFailed) as e:
                 books["dropped/group_error"] += n
-                print(f"batcher: step {step} slot {slot} attempt {attempt}: {e}", flush=True)
+                cause, worker = attempt_failure(e)
+                self.group_failures.setdefault(step, {}).setdefault(cause, set()).add(worker)
+                at = f" (worker {worker})" if worker else ""
+                print(
+                    f"batcher: step {step} slot {slot} attempt {attempt}: {cause}{at}", flush=True
+                )
                 continue
             if group is not None:
                 for s in group:

@@ -5,6 +5,7 @@ registries and verifier workers), so the books' identities are tested alone."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from async_grpo.batcher.types import ScoredSample
@@ -230,9 +231,26 @@ def samples_to_log(step: int, groups: list[list[ScoredSample]], cfg: Any) -> lis
     return picked
 
 
-def lost_groups(step: int, stats: dict[str, float]) -> str | None:
+def attempt_failure(e: BaseException) -> tuple[str, str]:
+    """What a failed group attempt says, on one line, and the worker it names ("" if none):
+    an actor's own error, not Ray's wrapper around it (whose text is the remote traceback)."""
+    own = getattr(e, "cause", None) or e
+    return " ".join(str(own).split()) or type(own).__name__, getattr(own, "worker", "")
+
+
+def failure_causes(failures: dict[str, set[str]], limit: int = 3) -> list[str]:
+    """The causes of a step's failed group attempts (cause -> the workers that said it),
+    first seen first: `environment 'calc': reset hung past ... on 3 workers`."""
+    return [
+        f"{cause} on {len(workers)} workers" if len(workers) > 1 else cause
+        for cause, workers in list(failures.items())[:limit]
+    ]
+
+
+def lost_groups(step: int, stats: dict[str, float], causes: Sequence[str] = ()) -> str | None:
     """One line if groups of `step` were given up (every attempt failed), with the drops by
-    reason; None if every group arrived."""
+    reason; None if every group arrived. It leads with the first of `causes` (what the
+    failed attempts said, `failure_causes`): the cause, not the symptom."""
     missing = stats.get("samples/missing", 0)
     if not missing:
         return None
@@ -241,17 +259,22 @@ def lost_groups(step: int, stats: dict[str, float]) -> str | None:
         for k, v in sorted(stats.items())
         if k.startswith("dropped/") and v
     )
+    others = "".join(f"; then: {c}" for c in causes[1:])
     planned = stats.get("samples/planned", 0)
+    lost = f"{missing:.0f}/{planned:.0f} samples of step {step + 1} never arrived"
     return (
-        f"generation: {missing:.0f}/{planned:.0f} samples of step {step + 1} never arrived"
-        f" (dropped samples by reason: {drops or 'none'}; see OUTPUT_DIR/logs/batcher.log)"
+        f"{f'{causes[0]}; ' if causes else 'generation: '}{lost}"
+        f" (dropped samples by reason: {drops or 'none'}{others};"
+        " see OUTPUT_DIR/logs/batcher.log)"
     )
 
 
-def check_lost_groups(step: int, stats: dict[str, float], bound: float) -> str | None:
+def check_lost_groups(
+    step: int, stats: dict[str, float], bound: float, causes: Sequence[str] = ()
+) -> str | None:
     """`lost_groups`' line as a warning, or a UserError (exit 2) once the missing samples
     reach `bound` (batcher.max_missing_fraction) of the step's planned samples."""
-    line = lost_groups(step, stats)
+    line = lost_groups(step, stats, causes)
     if line and stats.get("samples/missing", 0) >= bound * stats.get("samples/planned", 0):
         raise UserError(f"{line}; stopping (batcher.max_missing_fraction={bound:g})")
     return line

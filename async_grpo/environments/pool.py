@@ -14,7 +14,12 @@ episode releases it.
 Plain `def` methods run on the worker's own bounded thread pool. A call past its timeout
 cannot be stopped in its thread; such a stuck thread is counted, and a worker with
 `STUCK_LIMIT` of them retires: it refuses new groups and, once no episode holds an
-instance, ends its process so that `async-grpo run` starts a fresh one.
+instance, ends its process so that `async-grpo run` starts a fresh one. It says why to its
+registry first (which call hung: "reset hung past environment.step_timeout_s (30 s)"), so
+the run's supervisor can name it if the pool cannot work at all (async_grpo/cause.py).
+
+Failures that end a whole group say what the environment did, naming it: "environment
+'calc' could not be instantiated: ...", "environment 'calc': reset hung past ...".
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import inspect
 import os
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from async_grpo.cause import subject
 from async_grpo.config import EnvironmentConfig
 from async_grpo.environments.base import Environment, StepResult, Task, checked
 from async_grpo.environments.registry import get_environment
@@ -50,14 +57,20 @@ GIVEN_UP_KEPT_S = 600.0  # how long a give-up waits for its acquire to end
 
 class EnvironmentFailed(Exception):
     """An environment raised, hung past its timeout, or returned garbage; `reason` is the
-    counted kind (error, timeout, bad_output; acquire and capacity fail a whole group)."""
+    counted kind (error, timeout, bad_output; acquire and capacity fail a whole group);
+    `worker`: the environment worker's id, where one failed."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, worker: str = "") -> None:
         super().__init__(message)
         self.reason = reason
+        self.worker = worker
 
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # Ray pickles it to the caller
-        return type(self), (self.reason, str(self))
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:  # Ray pickles it to the caller
+        return type(self), (self.reason, str(self), self.worker)
+
+
+class _NotMade(Exception):
+    """The environment's constructor raised (its message: the constructor's error)."""
 
 
 def environment_factory(cfg: EnvironmentConfig) -> Any:
@@ -77,6 +90,7 @@ class EnvironmentWorker:
 
         to_file()
         self.cfg, self.worker_id = cfg, worker_id
+        self.subject = subject("environment", [cfg.url or cfg.name])
         self._make = environment_factory(cfg)
         self._instances: dict[str, Environment] = {}
         self._lock = asyncio.Lock()
@@ -85,7 +99,9 @@ class EnvironmentWorker:
         # one thread per instance it may hold, and room for the stuck ones until it retires
         self._threads = ThreadPoolExecutor(cfg.capacity + STUCK_LIMIT, f"{worker_id}-env")
         self._stuck = 0
+        self._hung: Counter[str] = Counter()  # calls past the timeout, by method (reset, step)
         self._retired = False  # stuck threads reached STUCK_LIMIT: no new groups
+        self._leaving: asyncio.Task | None = None  # _retire, once retired
         self._claimed = 0  # room taken by acquires still making their instances
         self._groups: dict[str, tuple[list[str], float]] = {}  # group -> (ids, held until)
         self._given_up: dict[str, float] = {}  # groups dropped before their acquire ended
@@ -103,10 +119,11 @@ class EnvironmentWorker:
         except TimeoutError:
             if not job.done():  # the thread runs on: counted until it returns
                 self._stuck += 1
+                self._hung[getattr(fn, "__name__", "call")] += 1
                 job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstick))
                 if self._stuck >= STUCK_LIMIT and not self._retired:
                     self._retired = True
-                    loop.create_task(self._retire())
+                    self._leaving = loop.create_task(self._retire())
             raise
         if inspect.isawaitable(out):
             return await asyncio.wait_for(out, timeout=self.cfg.step_timeout_s)
@@ -115,23 +132,31 @@ class EnvironmentWorker:
     def _unstick(self) -> None:
         self._stuck -= 1
 
+    def _hung_line(self) -> str:
+        """Which calls hung: "reset hung past environment.step_timeout_s (30 s)"."""
+        past = f"past environment.step_timeout_s ({self.cfg.step_timeout_s:g} s)"
+        if len(self._hung) == 1:
+            return f"{next(iter(self._hung))} hung {past}"
+        return f"calls hung {past}: " + ", ".join(f"{k} {n}" for k, n in self._hung.most_common())
+
     async def _retire(self) -> None:
-        """Once `_retired` is set: leave the pool's registry, and end once no instance is
-        held (stuck threads cannot be freed any other way); the run starts a fresh worker."""
+        """Once `_retired` is set: leave the pool's registry saying why, and end once no
+        instance is held (stuck threads cannot be freed any other way); the run starts a
+        fresh worker."""
         import ray
 
         from async_grpo.inference.client import get_registry_async
 
         print(
-            f"{self.worker_id}: {self._stuck} threads stuck in calls past"
-            f" {self.cfg.step_timeout_s:g}s; this worker retires",
+            f"{self.worker_id}: {self._stuck} threads stuck ({self._hung_line()});"
+            " this worker retires",
             flush=True,
         )
         if ray.is_initialized():
             with contextlib.suppress(Exception):  # then refusals send the groups elsewhere
                 registry = await get_registry_async("environment", timeout_s=10.0)
-                reason = f"retired: {self._stuck} stuck threads"
-                await asyncio.wait_for(registry.drop.remote(self.worker_id, reason), 10.0)
+                bye = registry.farewell.remote(self.worker_id, self._hung_line())
+                await asyncio.wait_for(bye, 10.0)
         self._exit_when_idle()
 
     def _exit_when_idle(self) -> None:
@@ -147,7 +172,9 @@ class EnvironmentWorker:
         async with self._lock:  # only the room is claimed under the lock
             if self._retired:
                 raise EnvironmentFailed(
-                    "capacity", f"{self.worker_id}: retiring ({self._stuck} stuck threads)"
+                    "capacity",
+                    f"{self.subject}: worker {self.worker_id} is retiring: {self._hung_line()}",
+                    self.worker_id,
                 )
             free = self.cfg.capacity - len(self._instances) - self._claimed
             if len(tasks) > free:
@@ -155,30 +182,41 @@ class EnvironmentWorker:
                     "capacity",
                     f"{self.worker_id}: {len(tasks)} environment instances requested,"
                     f" {free} of {self.cfg.capacity} free",
+                    self.worker_id,
                 )
             self._claimed += len(tasks)
         try:
             made = await self._make_all(tasks)
         finally:
             self._claimed -= len(tasks)
+            if self._leaving is not None:  # it retired: gone from the registry before its
+                await asyncio.shield(self._leaving)  # caller tries again (elsewhere)
+                self._exit_when_idle()
         ids = [iid for iid, _ in made]
         self._instances.update(made)
         self._counts["acquired"] += len(made)
         if self._given_up.pop(group, None) is not None:
             await self.release(ids)
-            raise EnvironmentFailed("acquire", f"{self.worker_id}: group {group} was given up")
+            raise EnvironmentFailed(
+                "acquire", f"{self.worker_id}: group {group} was given up", self.worker_id
+            )
         if group:
             self._groups[group] = (ids, time.monotonic() + hold_s if hold_s else float("inf"))
         return ids
 
     async def _make_all(self, tasks: list[Task]) -> list[tuple[str, Environment]]:
-        """The instances, made and reset at once; if any fails, the made ones are closed."""
+        """The instances, made and reset at once; if any fails, the made ones are closed
+        and the group fails with what the environment did (the first failure)."""
         made: list[tuple[str, Environment]] = []
 
         async def one(task: Task) -> None:
             fault_point("environment.acquire")
-            made.append((uuid.uuid4().hex, self._make()))
-            await self._call(made[-1][1].reset, task)
+            try:
+                env = self._make()
+            except Exception as e:
+                raise _NotMade(f"{type(e).__name__}: {e}") from e
+            made.append((uuid.uuid4().hex, env))
+            await self._call(env.reset, task)
 
         try:
             results = await asyncio.gather(*(one(t) for t in tasks), return_exceptions=True)
@@ -190,12 +228,19 @@ class EnvironmentWorker:
                 await self._close(env)
             if isinstance(e, Exception):
                 raise EnvironmentFailed(
-                    "acquire",
-                    f"{self.worker_id}: could not start {len(tasks)} instances"
-                    f" of {self.cfg.url or self.cfg.name}: {type(e).__name__}: {e}",
+                    "acquire", self._acquire_failed(e), self.worker_id
                 ) from None
             raise
         return made
+
+    def _acquire_failed(self, e: Exception) -> str:
+        """What the environment did when a group's instances could not be made."""
+        if isinstance(e, _NotMade):
+            return f"{self.subject} could not be instantiated: {e}"
+        if isinstance(e, TimeoutError):
+            past = f"past environment.step_timeout_s ({self.cfg.step_timeout_s:g} s)"
+            return f"{self.subject}: reset hung {past}"
+        return f"{self.subject}: reset raised {type(e).__name__}: {e}"
 
     async def drop_group(self, group: str) -> int:
         """Release `group`'s instances; one still being made is released when it is."""

@@ -24,6 +24,7 @@ from typing import Any
 from async_grpo.inference.types import PoolUnavailable, WorkerStatus
 
 DEFAULT_HOLD_S = 3600.0  # a lease's life when the caller names none
+FAREWELLS_KEPT = 64  # the newest workers' last words (a supervisor asks within seconds)
 
 
 @dataclass
@@ -63,6 +64,8 @@ class LeastLoadedRegistry:
         self._checkpoint: tuple[int, str] | None = None  # (version, HF folder)
         self._prober: asyncio.Task | None = None
         self.dropped: dict[str, str] = {}  # worker id -> reason
+        # workers that ended themselves, and why (their own words, for the supervisor)
+        self._farewells: list[tuple[Any, str]] = []  # (handle, line), the newest last
         self.reclaimed = {"expired": 0, "unbacked": 0}  # leases taken back (a metric)
         self.restarts = 0  # dead workers a launcher replaced (a metric)
         self._foreground_waiting = 0  # training leases waiting for room (background yields)
@@ -156,6 +159,18 @@ class LeastLoadedRegistry:
         if self._forget(worker_id):
             self.dropped[worker_id] = reason
             await self._notify()
+
+    async def farewell(self, worker_id: str, line: str) -> None:
+        """A worker about to end its own process says why (`line`: what it ran did, e.g.
+        "reset hung past environment.step_timeout_s (30 s)"), and leaves the pool."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            self._farewells = [*self._farewells[-(FAREWELLS_KEPT - 1) :], (w.handle, line)]
+        await self.drop(worker_id, line)
+
+    async def farewell_of(self, handle: Any) -> str | None:
+        """Why the worker behind `handle` ended itself; None if it did not say."""
+        return next((line for h, line in reversed(self._farewells) if h == handle), None)
 
     async def lease(
         self,

@@ -71,6 +71,9 @@ class RemoteBatcher:
     def score_failure_reasons(self, step: int) -> list[str]:
         return self._call("score_failure_reasons", step)
 
+    def group_failure_causes(self, step: int) -> list[str]:
+        return self._call("group_failure_causes", step)
+
     def set_version(self, version: int) -> None:
         self._call("set_version", version)
 

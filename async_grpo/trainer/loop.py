@@ -428,7 +428,9 @@ class Trainer:
             self.bar.update(1)
         if self.rank == 0:
             self._check_scoring(step, eob.stats)
-            line = check_lost_groups(step, eob.stats, self.cfg.batcher.max_missing_fraction)
+            lost = eob.stats.get("samples/missing")  # then what the failed attempts said
+            causes = self.batcher.group_failure_causes(step) if lost else []
+            line = check_lost_groups(step, eob.stats, self.cfg.batcher.max_missing_fraction, causes)
             if line:
                 print(f"warning: {line}", file=sys.stderr, flush=True)
 

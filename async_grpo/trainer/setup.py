@@ -42,7 +42,7 @@ def build_trainer(
     """Everything a rank needs, in order: process group, Ray, the batcher, the sharded
     policy, the optimizer, the resumed state; rank 0 also gets the pusher and the metrics.
     Quiet unless `verbose`: the batcher's output goes to OUTPUT_DIR/logs/batcher.log."""
-    from async_grpo.logs import log_dir, quiet_libraries
+    from async_grpo.logs import log_dir, quiet_libraries, ray_errors_to_file
     from async_grpo.models import resolve_model
     from async_grpo.ray_utils import connect
     from async_grpo.run import wait_for_pools
@@ -68,6 +68,8 @@ def build_trainer(
     if not verbose:
         quiet_libraries()
     connect(address, log_to_driver=verbose)
+    if not verbose:  # Ray's "(raylet) A worker died ..." lines (the batcher's, evaluator's)
+        ray_errors_to_file(log_dir(cfg.output_dir) / "ray.log")
     if rank == 0 and cfg.environment.name is None:  # an environment run scores itself
         from async_grpo.rewards.pool import check_verifiers
 

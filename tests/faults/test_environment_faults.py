@@ -4,7 +4,11 @@ returns a NaN reward and ends its worker's process; its reset refuses a data row
 episode ends with reward 0 and its counted reason, the refused row's group is dropped as a
 group error after its tries, the dead worker is replaced, the books balance, the run
 exits 0 and no process or weight file of it is left. The hung steps leave threads
-stuck, so their worker retires and is replaced too."""
+stuck, so their worker retires, saying why, and is replaced too; Ray's own lines about
+the deaths stay in the run's logs, off the console.
+
+An environment whose every reset hangs cannot work at all: the run stops with one line
+naming it and what it did."""
 
 import json
 
@@ -52,7 +56,39 @@ def test_every_way_an_environment_fails_ends_its_episode_and_the_run_goes_on(
     # Step 1's are replaced while step 2 runs; step 2's may be after the run's last row.
     assert steps[-1]["pool/environment/restarts"] >= 1, steps[-1]
     assert out.count("a worker died; started a new one") >= 2, out[-4000:]
+    assert "it said: step hung past environment.step_timeout_s (2 s))" in out, out[-4000:]
+    assert "(raylet)" not in out, out[-4000:]
+    assert "A worker died or was killed" in (tmp_path / "logs" / "ray.log").read_text()
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("env-*.log"))
     assert logs.count("this worker retires") == 2
     gone = assert_all_gone(tag)
     print(f"every process gone {gone:.1f}s after the run")
+
+
+def test_an_environment_whose_every_reset_hangs_stops_the_run_naming_it(tiny_model_dir, tmp_path):
+    """Each worker's resets time out, its stuck threads retire it (leaving the pool before
+    its caller tries again) and it is replaced; the group's three attempts fail on three
+    workers, so step 1's samples never arrive. The run stops (exit 2) with one cause line
+    naming the environment and what it did, then where the logs are; the supervisor's
+    lines say what each retired worker said; Ray's lines about the deaths stay off the
+    console."""
+    cmd = tiny_run(
+        tiny_model_dir,
+        tmp_path,
+        "environment.name=envs_for_tests:HangingReset",
+        "environment.step_timeout_s=1",
+        "trainer.max_steps=1",
+        "trainer.save_every=0",
+        "generation.max_new_tokens=8",
+    )
+    proc, tag = start(cmd, tmp_path)
+    out = finish(proc, tmp_path, timeout_s=600)
+    assert proc.returncode == 2, out[-4000:]
+    lines = [x for x in out.replace("\r", "\n").splitlines() if x.strip() and "steps:" not in x]
+    hung = "reset hung past environment.step_timeout_s (1 s)"
+    cause = f"async-grpo: error: environment 'envs_for_tests:HangingReset': {hung} on 3 workers;"
+    assert lines[-2].startswith(f"{cause} 4/4 samples of step 1 never arrived"), lines
+    assert lines[-1].startswith("the run failed; the workers' logs are in"), lines
+    assert out.count(f"it said: {hung})") >= 2, out  # the third may come after the stop
+    assert "(raylet)" not in out and "Traceback" not in out, out
+    assert_all_gone(tag)

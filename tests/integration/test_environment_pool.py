@@ -187,6 +187,7 @@ def test_a_worker_with_stuck_threads_retires_and_ends(cluster):
 
     from async_grpo.environments import Task
     from async_grpo.environments.pool import STUCK_LIMIT, EnvironmentFailed
+    from async_grpo.inference.client import get_registry
     from async_grpo.inference.launch import start_environment_workers, stop_workers
 
     cfg = EnvironmentConfig(name="envs_for_tests:Hostile", capacity=8, step_timeout_s=0.5)
@@ -202,7 +203,8 @@ def test_a_worker_with_stuck_threads_retires_and_ends(cluster):
         with pytest.raises(EnvironmentFailed, match="step took over"):
             ray.get(w.step.remote(hung[-1], "x"), timeout=30)
         assert ray.get(w.stats.remote(), timeout=30)["env/stuck_threads"] == STUCK_LIMIT
-        with pytest.raises(EnvironmentFailed, match="retiring") as refused:
+        why = r"step hung past environment.step_timeout_s \(0.5 s\)"
+        with pytest.raises(EnvironmentFailed, match=f"is retiring: {why}") as refused:
             ray.get(w.acquire.remote([Task("ok", "")]), timeout=30)
         assert refused.value.reason == "capacity"
         ray.get(w.release.remote([*hung, ok]), timeout=30)
@@ -211,6 +213,9 @@ def test_a_worker_with_stuck_threads_retires_and_ends(cluster):
             while time.monotonic() - t < 30:
                 ray.get(w.ping.remote(), timeout=10)
                 time.sleep(0.2)
+        # it said why to its registry, for the run's supervisor (a cause line)
+        words = ray.get(get_registry("environment").farewell_of.remote(w), timeout=30)
+        assert words == "step hung past environment.step_timeout_s (0.5 s)"
     finally:
         stop_workers([w], drain_timeout_s=5)
 
@@ -294,7 +299,7 @@ def test_a_reset_past_its_timeout_still_closes_its_server_session(cluster, monke
     cfg = EnvironmentConfig(name="envs_for_tests:SlowReset", url=url, step_timeout_s=0.3)
     (w,) = start_environment_workers(cfg, 1)
     try:
-        with pytest.raises(EnvironmentFailed, match="TimeoutError"):
+        with pytest.raises(EnvironmentFailed, match=r"reset hung past .*step_timeout_s \(0.3 s\)"):
             ray.get(w.acquire.remote([Task("x", "")] * 2, "g", 60.0), timeout=30)
         t = time.monotonic()
         while server.sessions and time.monotonic() - t < 10:

@@ -71,7 +71,7 @@ def test_a_lora_run_trains_the_adapters_against_the_base(runs, tiny_model_dir):
     evals = [m["eval/questions"] for m in rows if "eval/questions" in m]
     assert evals and set(evals) == {4}  # versions 2 and 3 (the last)
     logs = {p.name.split("-")[0] for p in (base / "full" / "logs").glob("*.log")}
-    assert logs == {"batcher.log", "evaluator.log", "gen", "verify"}, logs  # no "lp"
+    assert logs == {"batcher.log", "evaluator.log", "gen", "ray.log", "verify"}, logs  # no "lp"
     ckpt = base / "full" / "checkpoints" / "step_2"
     assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "hf").exists()
     config = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
@@ -83,7 +83,8 @@ def test_a_lora_run_trains_the_adapters_against_the_base(runs, tiny_model_dir):
 def test_a_dead_workers_adapter_folders_are_swept_and_none_is_left(runs):
     """The killed worker could not remove its folder: the run removes it when it replaces
     the worker (before the replacement serves from a folder of its own), and everything of
-    the run in /dev/shm when it ends."""
+    the run in /dev/shm when it ends. Ray's line about the death goes to logs/ray.log, the
+    console says only that a worker died and was replaced."""
     full, base, _, shm, tag = runs
     assert (base / "faults" / "fault-generation.generate").exists()
     assert full[-1]["pool/generation/restarts"] == 1
@@ -98,6 +99,8 @@ def test_a_dead_workers_adapter_folders_are_swept_and_none_is_left(runs):
     assert left(tag) == [] and not list(Path("/dev/shm").glob(f"*{tag}*"))
     console = (base / "full" / "console.txt").read_text()
     assert "pool 'generation': a worker died; started a new one (1/3 restarts)" in console
+    assert "(raylet)" not in console
+    assert "A worker died or was killed" in (base / "full" / "logs" / "ray.log").read_text()
 
 
 def test_eval_command_on_an_adapter_checkpoint(runs, tmp_path):

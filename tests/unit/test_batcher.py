@@ -364,6 +364,32 @@ def test_lost_groups_are_one_line_with_the_drops_by_reason():
     assert lost_groups(0, ledger({"samples/planned": 8, "samples/trained": 8})) is None
 
 
+def test_lost_groups_lead_with_what_the_failed_attempts_said():
+    """A step whose groups never arrived because the environment could not work: the line
+    names the environment and what it did, and on how many workers, before the symptom."""
+    from async_grpo.batcher.stats import attempt_failure, failure_causes, ledger, lost_groups
+    from async_grpo.environments.pool import EnvironmentFailed
+
+    hung = "environment 'sandbox': reset hung past environment.step_timeout_s (30 s)"
+    attempts = [
+        EnvironmentFailed("acquire", hung, "env-1"),
+        EnvironmentFailed("acquire", hung, "env-2"),
+        EnvironmentFailed("acquire", hung, "env-2"),
+        TimeoutError("environment worker did not acquire 4 instances within 40s"),
+    ]
+    failures: dict[str, set[str]] = {}
+    for e in attempts:
+        cause, worker = attempt_failure(e)
+        failures.setdefault(cause, set()).add(worker)
+    causes = failure_causes(failures)
+    assert causes == [f"{hung} on 2 workers", str(attempts[-1])]
+    stats = ledger({"samples/planned": 4, "samples/requested": 12, "samples/missing": 4,
+                    "dropped/group_error": 12})  # fmt: skip
+    line = lost_groups(0, stats, causes)
+    assert line.startswith(f"{hung} on 2 workers; 4/4 samples of step 1 never arrived")
+    assert f"group_error 12; then: {attempts[-1]}" in line
+
+
 @pytest.mark.parametrize("bound, stops", [(1.0, False), (0.5, True), (0.6, False)])
 def test_missing_samples_stop_the_run_at_the_configured_share(bound, stops):
     """4 of 8 samples never arrived: a warning line below `batcher.max_missing_fraction`

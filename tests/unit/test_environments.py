@@ -149,6 +149,48 @@ def test_a_group_is_acquired_whole_or_not_at_all(flaky, close_fails):
     assert len(set(ids)) == 4 and w.live() == 4
 
 
+@environment("test_unmakeable")
+class Unmakeable(Environment):
+    def __init__(self) -> None:
+        raise ImportError("no module named 'sandbox'")
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", 0.0, True)
+
+
+@environment("test_slow_reset")
+class SlowReset(Environment):
+    def reset(self, task: Task) -> None:
+        time.sleep(1.0)
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", 0.0, True)
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("test_unmakeable", "environment 'test_unmakeable' could not be instantiated: ImportError: no module named 'sandbox'"),
+        ("test_flaky", "environment 'test_flaky': reset raised RuntimeError: no room in the sandbox"),
+        ("test_slow_reset", "environment 'test_slow_reset': reset hung past environment.step_timeout_s (0.3 s)"),
+    ],
+)  # fmt: skip
+def test_a_group_that_cannot_be_made_says_what_the_environment_did(flaky, name, said):
+    """The line a run stops with when no group can be made (async_grpo/cause.py)."""
+    flaky.fail_at = 1
+    cfg = EnvironmentConfig(name=name, capacity=4, step_timeout_s=0.3)
+
+    async def acquire() -> EnvironmentFailed:
+        try:
+            await EnvironmentWorker(cfg, "env-7").acquire([Task("q", 1)] * 2)
+        except EnvironmentFailed as e:
+            await asyncio.sleep(1.0)  # a hung reset's thread ends while the loop runs
+            return e
+
+    e = _run(acquire())
+    assert (str(e), e.reason, e.worker) == (said, "acquire", "env-7")
+
+
 def test_over_capacity_is_a_refusal_and_release_frees_room(flaky):
     flaky.fail_at = 0
     w = _worker(capacity=4)

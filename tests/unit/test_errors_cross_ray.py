@@ -30,9 +30,10 @@ EXAMPLES: dict[str, tuple[tuple, dict]] = {
     "async_grpo.inference.types.PoolUnavailable": (("no generation workers",), {}),
     "async_grpo.batcher.channel.ChannelClosed": (("rank 1",), {}),
     "async_grpo.environments.pool.EnvironmentFailed": (
-        ("timeout", "env step took over 5s"),
-        {"reason": "timeout"},
+        ("timeout", "env step took over 5s", "env-1"),
+        {"reason": "timeout", "worker": "env-1"},
     ),
+    "async_grpo.environments.pool._NotMade": (("RuntimeError: no sandbox image",), {}),
     "async_grpo.environments.base.BadStep": (("step: returned int",), {}),
     "async_grpo.environments.http._Refusal": (
         (503, "sessions: --max-sessions is 2"),

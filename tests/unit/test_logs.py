@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from async_grpo.logs import LOG_FILE_ENV, actor_runtime_env
+from async_grpo.logs import LOG_FILE_ENV, actor_runtime_env, ray_errors_to_file
 from async_grpo.shm_files import RUN_ID_ENV
 
 
@@ -24,6 +24,23 @@ def test_runtime_env_names_the_log_file_only_when_quiet(tmp_path, monkeypatch):
     assert base == {"env_vars": {"OMP_NUM_THREADS": "1"}}  # the caller's dict is not changed
     monkeypatch.setenv(RUN_ID_ENV, "r1")  # in a run: its files in /dev/shm go in its folder
     assert actor_runtime_env(None, None, "gen-1") == {"env_vars": {RUN_ID_ENV: "r1"}}
+
+
+def test_rays_worker_death_lines_go_to_the_log_file(tmp_path, monkeypatch, capsys):
+    """Ray prints the raylet's errors in every driver whatever `log_to_driver` says; a quiet
+    driver keeps them in logs/ray.log. (Off the console in a whole run with dying workers:
+    faults/test_environment_faults.py.)"""
+    from ray._private import worker
+
+    monkeypatch.setattr(worker, "print_to_stdstream", worker.print_to_stdstream)  # restored
+    ray_errors_to_file(tmp_path / "ray.log")
+    ray_errors_to_file(tmp_path / "ray.log")  # twice: still one copy of each line
+    death = "A worker died or was killed while executing a task by an unexpected system error."
+    worker.print_to_stdstream({"lines": [death], "pid": "raylet", "is_err": False}, False)
+    worker.print_to_stdstream({"lines": ["an actor's line"], "pid": 7, "is_err": False}, True)
+    out = capsys.readouterr().out
+    assert "(raylet)" not in out and "an actor's line" in out
+    assert (tmp_path / "ray.log").read_text().count(death) == 1
 
 
 def test_to_file_captures_the_process_and_its_children(tmp_path):

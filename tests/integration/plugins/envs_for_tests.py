@@ -57,3 +57,30 @@ class SlowReset(Environment):
 
     def step(self, action: str) -> StepResult:
         return StepResult("", 1.0, True)
+
+
+class HangingReset(Environment):
+    """Every reset hangs (a sandbox that never boots): each group's resets time out, the
+    stuck threads retire their worker, and so on for every replacement."""
+
+    max_episode_tokens = 64
+
+    def reset(self, task) -> None:
+        import time
+
+        time.sleep(3600)
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", 1.0, True)
+
+
+class Unmakeable(Environment):
+    """Cannot be instantiated: its constructor raises (a missing dependency, say)."""
+
+    max_episode_tokens = 64
+
+    def __init__(self) -> None:
+        raise RuntimeError("the sandbox image is missing")
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", 1.0, True)
