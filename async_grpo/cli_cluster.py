@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -81,13 +82,15 @@ def run_worker(args: argparse.Namespace) -> int:
 
     _connect(args.address)
     run_id = os.environ.setdefault(RUN_ID_ENV, f"worker-{uuid.uuid4().hex[:8]}")
+    started = time.time()
     workers = _start(args, cfg)
     print(
         f"{len(workers)} {args.mode} worker(s) registered; Ctrl-C or `async-grpo stop` ends them",
         flush=True,
     )
     # a dead worker is replaced, and its files in /dev/shm removed
-    supervisor = PoolSupervisor(cfg.max_worker_restarts, sweep=lambda: remove_orphans(run_id))
+    sweep = functools.partial(remove_orphans, run_id, since=started)
+    supervisor = PoolSupervisor(cfg.max_worker_restarts, sweep=sweep)
     subject = pool_subject(cfg, args.mode, args.model)
     supervisor.watch(args.mode, workers, lambda: _start(args, cfg, 1), subject)
     stop = {"signal": 0}
@@ -105,7 +108,7 @@ def run_worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop undisturbed
         signal.signal(sig, signal.SIG_IGN)
     stop_workers(supervisor.workers)
-    remove_run(run_id)
+    remove_run(run_id, since=started)
     print(f"{args.mode} workers stopped", flush=True)
     return 128 + stop["signal"] if stop["signal"] else code
 

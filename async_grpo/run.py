@@ -12,6 +12,7 @@ the first one recorded (cause.py), and where the workers' logs are.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -31,7 +32,7 @@ from async_grpo.cause import record as record_cause
 from async_grpo.cause import recorded as recorded_cause
 from async_grpo.config import RunConfig
 from async_grpo.errors import EXIT_FILE_ENV
-from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run, run_folder
+from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
 HEAD_START_TIMEOUT_S = 120.0
 POOL_ORDER = ("verifier", "environment", "logprob", "generation")  # quickest first
@@ -103,18 +104,20 @@ for pid in doomed:
             kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-import shutil  # the run's folder in /dev/shm: its killed processes cannot empty it
-shutil.rmtree(sys.argv[1], ignore_errors=True)
+# the run's files in /dev/shm (its folder, the semaphores of its killed processes)
+from async_grpo.shm_files import remove_run
+remove_run(sys.argv[1], since=float(sys.argv[2]))
 """
 
 
 class Watchdog:
     """Kills the named processes, their descendants and their groups once this process is
-    gone, however it ended, then removes the folder `leftovers` (the run's, in /dev/shm)."""
+    gone, however it ended, then removes the files of run `run_id` (started at `since`) in
+    /dev/shm (shm_files.remove_run)."""
 
-    def __init__(self, leftovers: str) -> None:
+    def __init__(self, run_id: str, since: float) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WATCHDOG, leftovers],
+            [sys.executable, "-c", WATCHDOG, run_id, str(since)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -288,13 +291,15 @@ def run_local(
 
     model_dir = checked_before_ray(cfg, resume)
     head: LocalHead | None = None
+    started = time.time()  # the run's semaphores in /dev/shm are those made since
     given_id = os.environ.get(RUN_ID_ENV)
     run_id = given_id or uuid.uuid4().hex[:8]  # a test may name it
     os.environ[RUN_ID_ENV] = run_id  # the head and every actor started here inherit it
     # a `run` killed outright leaves no head, no ranks and no files in /dev/shm behind
-    watchdog = Watchdog(str(run_folder(run_id)))
+    watchdog = Watchdog(run_id, started)
     # a dead worker's files in /dev/shm are swept when it is replaced
-    supervisor = PoolSupervisor(cfg.max_worker_restarts, sweep=lambda: remove_orphans(run_id))
+    sweep = functools.partial(remove_orphans, run_id, since=started)
+    supervisor = PoolSupervisor(cfg.max_worker_restarts, sweep=sweep)
     workers: list[Any] = []
     trainer: subprocess.Popen | None = None
     logs = None if verbose else log_dir(cfg.output_dir)
@@ -377,7 +382,7 @@ def run_local(
             ray.shutdown()
         if head is not None:
             head.stop()
-        remove_run(run_id)  # weight slots and adapter folders, whoever made them
+        remove_run(run_id, since=started)  # weight slots, adapter folders, semaphores
         watchdog.close()
         if code not in (0, 130, 143, 129):  # the last lines, once everything has stopped
             if cause := recorded_cause(cause_file):

@@ -14,10 +14,18 @@ removes what any of them left, however it ended:
 
 A process outside a run (a trainer started by hand, a test) makes its entries directly in
 /dev/shm as `async-grpo-KIND-PID-RANDOM` and removes them itself.
+
+One more kind cannot be named: the POSIX semaphores of Python's multiprocessing
+(`sem.mp-RANDOM`), which vLLM's engine core makes. A process killed together with its
+resource tracker (an engine core its dead worker takes along, the watchdog) cannot unlink
+them; in use, a semaphore is always mapped by a process. So both sweeps (given the run's
+start) also remove this user's `sem.mp-*` made or used since then that no live process
+maps (`remove_orphan_semaphores`): the run's, or another's just as dead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -63,17 +71,21 @@ def left(run_id: str, root: str | None = None) -> list[str]:
     return sorted(str(p) for p in folder.iterdir()) if folder.is_dir() else []
 
 
-def remove_run(run_id: str, root: str | None = None) -> int:
-    """Remove every entry of run `run_id`, and its folder; how many entries there were."""
+def remove_run(run_id: str, root: str | None = None, since: float | None = None) -> int:
+    """Remove every entry of run `run_id`, and its folder; how many entries there were.
+    With `since` (the run's start, a time.time()), also the orphaned semaphores."""
     found = left(run_id, root)
     shutil.rmtree(run_folder(run_id, root), ignore_errors=True)
+    if since is not None:
+        found += remove_orphan_semaphores(since, root)
     return len(found)
 
 
-def remove_orphans(run_id: str, root: str | None = None) -> list[str]:
-    """Remove the entries of run `run_id` whose process is gone; the paths removed. (The
-    run's processes are on this node: the folder is this node's /dev/shm.)"""
-    removed = []
+def remove_orphans(run_id: str, root: str | None = None, since: float | None = None) -> list[str]:
+    """Remove the entries of run `run_id` whose process is gone; the paths removed (with
+    `since`, the orphaned semaphores too). (The run's processes are on this node: the
+    folder is this node's /dev/shm.)"""
+    removed = [] if since is None else remove_orphan_semaphores(since, root)
     for entry in left(run_id, root):
         pid = owner(entry)
         if pid is None or _alive(pid):
@@ -84,6 +96,39 @@ def remove_orphans(run_id: str, root: str | None = None) -> list[str]:
             Path(entry).unlink(missing_ok=True)
         removed.append(entry)
     return removed
+
+
+def remove_orphan_semaphores(since: float, root: str | None = None) -> list[str]:
+    """Remove this user's multiprocessing semaphores (`sem.mp-*`) modified since `since`
+    that no live process maps; the paths removed."""
+    root = root or shm_root()
+    found: dict[int, Path] = {}  # inode -> path
+    for path in Path(root).glob("sem.mp-*"):
+        with contextlib.suppress(FileNotFoundError):
+            st = path.stat()
+            if st.st_uid == os.getuid() and st.st_mtime >= since:
+                found[st.st_ino] = path
+    if found:
+        for inode in _mapped_inodes(root):
+            found.pop(inode, None)
+    for path in found.values():
+        path.unlink(missing_ok=True)
+    return sorted(str(p) for p in found.values())
+
+
+def _mapped_inodes(root: str) -> set[int]:
+    """Inodes of files under `root` that live processes map (glibc maps a semaphore under
+    a temporary name, then links it to its own: the inode is what they share)."""
+    inodes = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone, or not ours to read
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(f"{root}/"):
+                    inodes.add(int(fields[4]))
+    return inodes
 
 
 def _alive(pid: int) -> bool:

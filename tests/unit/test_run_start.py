@@ -14,7 +14,14 @@ import pytest
 from async_grpo.config import GenerationConfig
 from async_grpo.inference.engine_args import vllm_env
 from async_grpo.run import POOLS_READY_ENV, wait_for_pools
-from async_grpo.shm_files import RUN_ID_ENV, left, new_entry, remove_orphans, remove_run
+from async_grpo.shm_files import (
+    RUN_ID_ENV,
+    left,
+    new_entry,
+    remove_orphan_semaphores,
+    remove_orphans,
+    remove_run,
+)
 from async_grpo.transports.shm import SharedSlots
 
 
@@ -138,3 +145,44 @@ def test_the_process_group_outlasts_rank_0s_longest_named_wait(eval_timeout_s):
     cfg = load_config(None, [f"eval.timeout_s={eval_timeout_s}"])
     rank0 = (GET_TIMEOUT_S + 60) + (eval_timeout_s + COLLECT_SLACK_S)
     assert group_timeout(cfg).total_seconds() > rank0 + 60
+
+
+def test_semaphores_of_killed_processes_are_swept_and_the_rest_kept():
+    """vLLM's engine core holds multiprocessing semaphores (/dev/shm/sem.mp-*), which a
+    process killed with its resource tracker cannot unlink. The sweeps remove those made
+    since the run started that no live process maps: not one in use, not an older one."""
+    import uuid
+
+    hold = (
+        "import sys, _multiprocessing; s = _multiprocessing.SemLock(1, 1, 1, sys.argv[1], False);"
+        " print('made', flush=True); sys.stdin.read()"
+    )
+
+    def semaphore(name: str) -> subprocess.Popen:
+        p = subprocess.Popen(
+            [sys.executable, "-c", hold, f"/{name}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert p.stdout.readline() == "made\n"
+        return p
+
+    tag = uuid.uuid4().hex[:8]
+    old, live, dead = (f"mp-{kind}{tag}" for kind in ("old", "live", "dead"))
+    paths = {n: f"/dev/shm/sem.{n}" for n in (old, live, dead)}
+    semaphore(old).kill()  # an orphan from before the run
+    time.sleep(0.05)
+    since = time.time()
+    holder, doomed = semaphore(live), semaphore(dead)
+    try:
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(timeout=30)
+        removed = remove_orphan_semaphores(since)
+        assert paths[dead] in removed and not os.path.exists(paths[dead])
+        assert paths[live] not in removed and os.path.exists(paths[live])
+        assert paths[old] not in removed and os.path.exists(paths[old])
+    finally:
+        holder.kill()
+        for path in paths.values():
+            Path(path).unlink(missing_ok=True)
