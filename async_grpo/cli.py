@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from async_grpo.cause import CAUSE_FILE_ENV
 from async_grpo.cause import record as record_cause
@@ -95,6 +96,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     under_run = bool(os.environ.get(EXIT_FILE_ENV))
+    if under_run:
+        sys.unraisablehook = _exit_on_lost_stop
     try:
         train(cfg, args.address or cfg.ray_address, args.resume, args.verbose)
     except Exception as e:
@@ -107,6 +110,20 @@ def _train(args: argparse.Namespace) -> int:
             # one; Ray's handler would raise SystemExit into the interpreter's shutdown
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 0
+
+
+def _exit_on_lost_stop(unraisable: Any) -> None:
+    """Ray's SIGTERM handler raises SystemExit wherever the rank is; inside a finalizer (an
+    actor handle's `__del__`) Python would print it as a traceback on the run's console and
+    drop it, and the rank would run on until torchrun kills it. Under `run` the rank ends
+    there instead, with the signal's code (run's own sweep removes the run's files)."""
+    if isinstance(unraisable.exc_value, SystemExit):
+        code = unraisable.exc_value.code
+        if code in (signal.SIGTERM, signal.SIGINT):  # die by the signal, as torchrun expects
+            signal.signal(code, signal.SIG_DFL)
+            os.kill(os.getpid(), code)
+        os._exit(code if isinstance(code, int) else 1)
+    sys.__unraisablehook__(unraisable)
 
 
 def _trainer_failed(e: Exception, output_dir: str, verbose: bool) -> None:
