@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from async_grpo.model_families import WINDOW  # shorter than the check's sequences
+
 LIMIT = 1e-3  # nats
 WIDTH = 128
-WINDOW = 16  # shorter than the check's sequences, so a dropped window shows
 
 _SIZES = {  # the names families give their sizes -> the twin's
     "hidden_size": WIDTH, "n_embd": WIDTH, "d_model": WIDTH,
@@ -109,8 +110,9 @@ def _trainers_model(folder: Path, attention: Any) -> Any:
         dist.destroy_process_group()
 
 
-def _samples(vocab: int) -> list[Any]:
-    """Two groups of two samples, each longer than the twin's window."""
+def check_samples(vocab: int) -> list[Any]:
+    """Two groups of two samples (random tokens >= 3), each longer than the twin's window:
+    the packed row of the check, and of the family matrix's tests."""
     import torch
 
     from async_grpo.core.packing import PackInput
@@ -140,7 +142,7 @@ def packed_error(config: Any, attention: Any) -> float:
         except Exception as e:
             raise TwinError(e) from e
         ours = _trainers_model(Path(folder), attention)
-    samples = _samples(config.get_text_config().vocab_size)
+    samples = check_samples(config.get_text_config().vocab_size)
     worst = 0.0
     with torch.no_grad():
         alone = []

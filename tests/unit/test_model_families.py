@@ -14,6 +14,7 @@ from _dist import one_rank_group
 from async_grpo.config import LossConfig, TrainerConfig
 from async_grpo.core.attention.flex import FlexAttention
 from async_grpo.core.packing import PackInput, pack
+from async_grpo.family_check import check_samples
 from async_grpo.model_families import FAMILIES, FLEX_REFUSED, WINDOW, make_family_model
 from async_grpo.trainer.model import build_policy
 
@@ -83,14 +84,8 @@ def _policy(model_dir, attention=None):
 
 
 def _samples(vocab: int) -> list[PackInput]:
-    """Two groups of two samples; prompt + completion longer than the window."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for n_p, n_cs in [(11, (20, 9)), (6, (25, 12))]:
-        prompt = torch.randint(3, vocab, (n_p,), generator=g).tolist()
-        for n_c in n_cs:
-            completion = torch.randint(3, vocab, (n_c,), generator=g).tolist()
-            out.append(PackInput(prompt, completion, 1.0, [0.0] * n_c))
+    """The start-up check's row: two groups of two samples, longer than the window."""
+    out = check_samples(vocab)
     assert max(len(s.prompt_ids) + len(s.completion_ids) for s in out) > WINDOW + 12
     return out
 
