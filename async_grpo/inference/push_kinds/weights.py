@@ -57,7 +57,7 @@ class WeightsPush(PushKind):
     def start(self, ext: Any) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from async_grpo.inference import vllm_ext
+        from async_grpo.inference import vllm_reload as vllm_ext
 
         ext._in_place = vllm_ext.reloads_in_place(ext.model)
         if not ext._in_place:
@@ -65,7 +65,7 @@ class WeightsPush(PushKind):
             initialize_layerwise_reload(ext.model)
 
     def receive(self, ext: Any, tensors: list[tuple[str, Any]], flat: Any) -> None:
-        from async_grpo.inference import vllm_ext
+        from async_grpo.inference import vllm_reload as vllm_ext
 
         tied = ext.model_config.hf_config.tie_word_embeddings
         if (ext._in_place and tied) or not vllm_ext.has_head(ext.model):
