@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from async_grpo.model_families import WINDOW  # shorter than the check's sequences
+from async_grpo.core.model_parts import config_parts
+from async_grpo.model_families import WINDOW, random_model  # the window: shorter than the rows
 
 LIMIT = 1e-3  # nats
 WIDTH = 128
@@ -43,7 +44,7 @@ _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 def twin_config(config: Any) -> Any:
     """`config` at the twin's size; every other setting as the model has it."""
     twin = copy.deepcopy(config)
-    for part in {id(twin): twin, id(text := twin.get_text_config()): text}.values():
+    for part in config_parts(twin):
         _shrink(part)
     return twin
 
@@ -71,17 +72,7 @@ def _twin(config: Any, folder: Path) -> Any:
     """The reference: transformers' eager model of `config` with random weights (norms
     moved off their initial values, so a skipped one shows), saved to `folder` in the
     family's file layout."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = random_model(config, 0, attn_implementation="eager")
     model.save_pretrained(folder)
     return model.eval()
 

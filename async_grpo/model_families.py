@@ -106,8 +106,7 @@ def make_family_model(family: str, out_dir: Path, tokenizer_from: Path, seed: in
     """A tiny random `family` model with the tokenizer of `tokenizer_from`, saved in fp32 as
     a Hugging Face folder. Norm weights are drawn too: a norm left at its initial value
     would hide a load that skips it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     config = tiny_config(
@@ -117,13 +116,24 @@ def make_family_model(family: str, out_dir: Path, tokenizer_from: Path, seed: in
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = random_model(config, seed)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def random_model(config: Any, seed: int, **kwargs: Any) -> Any:
+    """transformers' model of `config` in fp32 with weights drawn from `seed`, norm weights
+    included (a norm left at its initial value would hide a load that skips it); `kwargs`
+    go to `from_config` (e.g. `attn_implementation`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model

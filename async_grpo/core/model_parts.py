@@ -50,7 +50,7 @@ def without_dropout(config: Any) -> list[str]:
     computed without dropout, so a family that ships with it (GPT-2 and OPT: 0.1) would
     otherwise train on log-probs 0.2-0.3 nats off. TRL and verl turn it off the same way."""
     changed = []
-    for part in {id(config): config, id(text := config.get_text_config()): text}.values():
+    for part in config_parts(config):
         for key, value in list(vars(part).items()):
             word = key.lower()
             if ("dropout" in word or "pdrop" in word) and isinstance(value, float) and value:
@@ -65,3 +65,10 @@ def drop_no_activations(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and "lora_dropout" not in name:
             module.p = 0.0
+
+
+def config_parts(config: Any) -> list[Any]:
+    """A Hugging Face config and its text config, each once (the same object for a text
+    model; the language part of a multimodal one)."""
+    text = config.get_text_config()
+    return [config] if text is config else [config, text]
