@@ -43,6 +43,7 @@ from async_grpo.inference.worker_base import RegisteredWorker
 from async_grpo.shm_files import new_entry
 
 ENGINE_WATCH_S = 0.5  # how often a worker checks that its engine core still runs
+RECEIVE_MARGIN_S = 60.0  # a push watchdog outlasts the broadcast group's receive timeout by this
 
 
 class GenerationWorker(RegisteredWorker):
@@ -354,10 +355,13 @@ class GenerationWorker(RegisteredWorker):
 
     async def _abandon_after(self, version: int, timeout_s: float) -> None:
         """The trainer vanished mid-push: the weights are half loaded, so this worker ends
-        (a replacement loads the newest checkpoint)."""
-        await asyncio.sleep(timeout_s)
+        (a replacement loads the newest checkpoint). It waits `RECEIVE_MARGIN_S` past the
+        push's timeout: a broadcast receive that a broken group left blocked fails at the
+        group's own timeout (the same `timeout_s`, counted from a later start), and the
+        worker must still be there to take the push sent again."""
+        await asyncio.sleep(timeout_s + RECEIVE_MARGIN_S)
         self._exit(
-            f"push of version {version}: no chunk within {timeout_s:.0f}s;"
+            f"push of version {version}: no chunk within {timeout_s + RECEIVE_MARGIN_S:.0f}s;"
             " the weights are incomplete"
         )
 
