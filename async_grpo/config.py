@@ -149,15 +149,17 @@ class CorrectionConfig:
 class LossConfig:
     """The GRPO loss family (async_grpo.core.loss)."""
 
-    objective: Literal["ppo", "gspo", "cispo", "gmpo"] = "ppo"  # docs/loss.md
+    objective: Literal["ppo", "gspo", "cispo", "gmpo", "sapo"] = "ppo"  # docs/loss.md
     clip_low: float | None = None  # None: the objective's own (ppo 0.2, gspo 3e-4, gmpo 0.4)
     clip_high: float | None = None  # None: the objective's own (ppo 0.28 DAPO, gspo 4e-4)
     cispo_cap: float = 1.2  # cispo: the IS weight's cap, min(ratio, cap), detached
+    sapo_tau_pos: float = 1.0  # sapo: the gate's temperature for A > 0
+    sapo_tau_neg: float = 1.05  # sapo: the gate's temperature for A <= 0
     dual_clip: float | None = 3.0  # bound on the ratio for negative advantages; None disables
     kl_coef: float = 0.0  # 0 disables the reference model entirely
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
-    # None: the objective's own (token_mean; seq_mean_token_mean for gspo and gmpo)
+    # None: the objective's own (token_mean; seq_mean_token_mean for gspo, gmpo and sapo)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] | None = None
     constant_normalizer: float | None = None  # Dr.GRPO divisor; defaults to max_new_tokens
     advantage_std_norm: bool = True  # False = Dr.GRPO advantages (r - mean)

@@ -201,6 +201,9 @@ def validate_loss(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.loss.dual_clip: must be > 1, got {loss.dual_clip}")
     if loss.cispo_cap <= 0:
         raise ConfigError(f"trainer.loss.cispo_cap: must be > 0, got {loss.cispo_cap}")
+    for name in ("sapo_tau_pos", "sapo_tau_neg"):
+        if not getattr(loss, name) > 0:
+            raise ConfigError(f"trainer.loss.{name}: must be > 0, got {getattr(loss, name)}")
     validate_correction(loss.correction)
     if loss.temperature != g.temperature:
         raise ConfigError(

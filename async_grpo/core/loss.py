@@ -6,7 +6,7 @@ GLOBAL counts of the optimizer step. Out: the loss scalar and summed metrics.
 Per loss token t of sample s, with old = old_logprobs if given, else the trainer's own
 log-probs before this step's update (detached) when `proximal="current"` (the default),
 else the sampler's behaviour_logprobs:
-    pg_t    = the objective's policy term (core/objectives.py: ppo, gspo, cispo, gmpo)
+    pg_t    = the objective's policy term (core/objectives.py: ppo, gspo, cispo, gmpo, sapo)
     corr_t  = the off-policy correction's weight from old vs behaviour, detached
               (core/correction.py: token or sequence level, truncated or masked)
     l_t     = corr_t * pg_t + kl_coef * k(logp_t, ref_t) - entropy_coef * H_t
@@ -207,7 +207,14 @@ def build_loss(cfg: LossConfig, max_new_tokens: int | None = None) -> GRPOLoss:
         raise ValueError("seq_sum_constant: set loss.constant_normalizer or pass max_new_tokens")
     return GRPOLoss(
         objective=OBJECTIVES[cfg.objective],
-        bounds=Bounds(cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.cispo_cap),
+        bounds=Bounds(
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.dual_clip,
+            cfg.cispo_cap,
+            cfg.sapo_tau_pos,
+            cfg.sapo_tau_neg,
+        ),
         correction=Correction(cfg.correction),
         kl_coef=cfg.kl_coef,
         kl_estimator=KL_ESTIMATORS[cfg.kl_estimator],

@@ -19,6 +19,10 @@ of the sample. Out: pg [T] (0 off the mask) and the counts of tokens each bound 
 - gmpo:  the geometric mean of token ratios, each clipped in log space to [-lo, hi] on the
          pessimistic side: d_t = sgn(A) min(sgn(A) dl_t, sgn(A) clip(dl_t, -lo, hi)),
          dl_t = logp_t - old_t; g = exp(mean_t d_t); pg_t = -A g on every token of the sample.
+- sapo:  a soft gate in place of the clip (Gao et al. 2025): pg_t = -A (4/tau) sigmoid(tau
+         (r_t - 1)), tau = tau_pos for A > 0, tau_neg otherwise. At r_t = 1 its gradient is
+         ppo's (-A grad logp_t); it fades smoothly as r_t leaves 1, faster for A < 0 when
+         tau_neg > tau_pos. Nothing is clipped, so no clip counts.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ MAX_LOG_RATIO = 20.0  # |log ratio| beyond this is clamped before exp: finite, s
 
 @dataclass(frozen=True)
 class Bounds:
-    """The objective's parameters: ratio bounds (log-space for gmpo), dual clip, cispo cap."""
+    """The objective's parameters: ratio bounds (log-space for gmpo), dual clip, cispo cap,
+    sapo's gate temperatures."""
 
     clip_low: float
     clip_high: float
     dual_clip: float | None
     cispo_cap: float
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
 
 Objective = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Bounds], tuple[Tensor, dict]]
@@ -107,7 +114,21 @@ def gmpo(logp, old, adv, mask, sample_index, b: Bounds) -> tuple[Tensor, dict]:
     return pg, counts | {"ratio_sum": g.detach()[mask].sum()}
 
 
-OBJECTIVES: dict[str, Objective] = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "gmpo": gmpo}
+def sapo(logp, old, adv, mask, sample_index, b: Bounds) -> tuple[Tensor, dict]:
+    log_ratio = (logp - old).masked_fill(~mask, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)  # [T]
+    tau = torch.where(adv > 0, b.sapo_tau_pos, b.sapo_tau_neg).to(ratio.dtype)  # [T]
+    pg = -adv * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))  # [T]
+    return pg, {"ratio_sum": ratio.detach()[mask].sum()}
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "ppo": ppo,
+    "gspo": gspo,
+    "cispo": cispo,
+    "gmpo": gmpo,
+    "sapo": sapo,
+}
 
 # what an objective takes when the config leaves it open: its paper's ratio bounds (gmpo's
 # in log space) and aggregation
@@ -116,4 +137,6 @@ DEFAULTS: dict[str, dict] = {
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq_mean_token_mean"},
     "cispo": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token_mean"},
     "gmpo": {"clip_low": 0.4, "clip_high": 0.4, "aggregation": "seq_mean_token_mean"},
+    # no clip (the bounds are unused); the paper's and TRL's per-sequence mean
+    "sapo": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "seq_mean_token_mean"},
 }

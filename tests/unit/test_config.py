@@ -89,6 +89,7 @@ def test_int_is_accepted_for_float():
         ("trainer.loss.objective=grpo", "trainer.loss.objective: expected one of"),
         ("trainer.loss.tis_cap=2", "trainer.loss.tis_cap: unknown key"),
         ("trainer.loss.cispo_cap=0", "trainer.loss.cispo_cap: must be > 0"),
+        ("trainer.loss.sapo_tau_neg=0", "trainer.loss.sapo_tau_neg: must be > 0"),
         ("trainer.loss.clip_low=1.5", "trainer.loss.clip_low/clip_high: bad bounds 1.5"),
         ("trainer.loss.correction.floor=0.5", "trainer.loss.correction.floor: only a mask"),
         ("trainer.loss.correction.level=seq", "trainer.loss.correction.level: expected one"),

@@ -45,7 +45,7 @@ SEQUENCE_CORRECTIONS = {
 VARIANTS = {  # name -> the loss config's overrides
     **{
         f"{objective}/{agg}": {"objective": objective, "aggregation": agg}
-        for objective in ("ppo", "gspo", "cispo", "gmpo")
+        for objective in ("ppo", "gspo", "cispo", "gmpo", "sapo")
         for agg in AGGREGATIONS
     },
     **{name: {"correction": c} for name, c in SEQUENCE_CORRECTIONS.items()},

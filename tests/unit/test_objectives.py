@@ -1,4 +1,4 @@
-"""GSPO, CISPO, GMPO and the off-policy correction against values worked out by hand
+"""GSPO, CISPO, GMPO, SAPO and the off-policy correction against values worked out by hand
 (tolerance 1e-6), on the small batches of test_loss."""
 
 from __future__ import annotations
@@ -73,6 +73,35 @@ def test_gmpo_clips_token_log_ratios_then_takes_their_geometric_mean():
     assert m["clip_high_sum"].item() == 1 and m["clip_low_sum"].item() == 1
 
 
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_sapo_gates_each_tokens_ratio_with_the_temperature_of_its_advantages_sign():
+    cfg = replace(BASE, objective="sapo", aggregation=SEQ)  # tau_pos 1, tau_neg 1.05
+    assert resolved(replace(cfg, aggregation=None)).aggregation == SEQ
+    batch = _batch({"adv": 1.0, "behaviour": [0.0, 0.0]}, {"adv": -1.0, "behaviour": [0.0]})
+    loss, grad, m = _loss(cfg, batch, [L(1.5), 0.0, L(0.5)], tokens=3, samples=2)
+    # f(r) = (4 / tau) sigmoid(tau (r - 1)), pg = -A f(r): A > 0 at r = 1.5 and 1 (tau 1),
+    # A < 0 at r = 0.5 (tau 1.05); the mean over samples of each one's token mean
+    s1, s3 = _sigmoid(0.5), _sigmoid(1.05 * -0.5)
+    pos = -(4 * s1 + 4 * 0.5) / 2
+    neg = (4 / 1.05) * s3
+    assert loss == pytest.approx((pos + neg) / 2, abs=1e-6)
+    # d pg / d logp = -A 4 sigmoid' r; weights 1/2 (token mean) and 1/2 (sample mean)
+    want = [-4 * s1 * (1 - s1) * 1.5 / 4, -4 * 0.25 / 4, 4 * s3 * (1 - s3) * 0.5 / 2]
+    assert grad == pytest.approx(want, abs=1e-6)
+    assert "clip_high_sum" not in m and m["ratio_sum"].item() == pytest.approx(3.0, abs=1e-6)
+    # at r = 1 the gate's gradient is ppo's; far from 1 it fades where ppo's clip cuts to 0
+    _, ppo_grad, _ = _loss(replace(BASE, aggregation=SEQ), batch, [L(1.5), 0.0, L(0.5)], 3, 2)
+    assert grad[1] == pytest.approx(ppo_grad[1], abs=1e-9) and ppo_grad[0] == 0.0
+    assert 0 < -grad[0] < -ppo_grad[1] * 1.5
+    # tau_neg above tau_pos: the same distance from 1 fades faster for A < 0
+    hot = replace(cfg, sapo_tau_neg=3.0)
+    _, hot_grad, _ = _loss(hot, batch, [L(1.5), 0.0, L(0.5)], tokens=3, samples=2)
+    assert 0 < hot_grad[2] < grad[2]
+
+
 def _corrected(correction, samples, logp, proximal="behaviour", **kw):
     cfg = replace(BASE, correction=correction, proximal=proximal, **kw)
     batch = _batch(*samples)
@@ -145,7 +174,7 @@ def test_maxima_pass_through_the_summary():
 
 
 @pytest.mark.parametrize("proximal", ["behaviour", "current"])  # the ratio's, the weight's
-@pytest.mark.parametrize("objective", ["ppo", "gspo", "cispo", "gmpo"])
+@pytest.mark.parametrize("objective", ["ppo", "gspo", "cispo", "gmpo", "sapo"])
 def test_shared_prompts_and_environment_tokens_change_no_sequence_term(objective, proximal):
     """A sequence's terms count its model tokens only: the same samples packed with shared
     prompts, or with environment tokens between their model tokens (a multi-turn mask),
