@@ -9,6 +9,7 @@ else the sampler's behaviour_logprobs:
     pg_t    = the objective's policy term (core/objectives.py: ppo, gspo, cispo, gmpo, sapo)
     corr_t  = the off-policy correction's weight from old vs behaviour, detached
               (core/correction.py: token or sequence level, truncated or masked)
+              (gmpo: the sample's geometric mean of its tokens' weights, on each token)
     l_t     = corr_t * pg_t + kl_coef * k(logp_t, ref_t) - entropy_coef * H_t
 k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1.
 
@@ -54,7 +55,7 @@ from torch import Tensor
 
 from async_grpo.config import LossConfig
 from async_grpo.core.correction import Correction
-from async_grpo.core.objectives import DEFAULTS, OBJECTIVES, Bounds, Objective
+from async_grpo.core.objectives import DEFAULTS, OBJECTIVES, Bounds, Objective, per_sample_mean
 from async_grpo.core.packing import PackedBatch
 
 # ---- per-token terms --------------------------------------------------------------------
@@ -146,6 +147,7 @@ class GRPOLoss:
     constant_normalizer: float
     mask_truncated: bool
     proximal: str = "current"
+    geometric_weights: bool = False  # gmpo: one correction weight per sample, see below
 
     def __call__(
         self,
@@ -173,6 +175,8 @@ class GRPOLoss:
         logp = logprobs.masked_fill(~mask, 0.0)  # [T]
         pg, m = self.objective(logp, old.masked_fill(~mask, 0.0), adv, mask, where, self.bounds)
         corr, corr_sums = self.correction(old, behaviour, current, adv, mask, where)  # [T]
+        if self.geometric_weights:
+            corr = per_sample_geometric_mean(corr, mask, where)  # [T]
         per_token = corr * pg  # [T]
         m = {"tokens": mask.sum(), **m, **corr_sums}
         d = (current - behaviour).masked_fill(~mask, 0.0)  # [T] trainer - sampler
@@ -198,6 +202,18 @@ class GRPOLoss:
         return loss, {k: v.detach().float() for k, v in m.items()}
 
 
+def per_sample_geometric_mean(w: Tensor, mask: Tensor, sample_index: Tensor) -> Tensor:
+    """Each sample's geometric mean of the weights `w` [T] (detached, >= 0) over its loss
+    tokens, at each of its positions [T]; 0 for a sample with a token of weight 0. GMPO's
+    policy term is one value per sample, and verl's `geo_mean` weighs it by this mean of
+    the token weights, as the ratio itself is a geometric mean; a per-token product would
+    give their arithmetic mean instead."""
+    zero = per_sample_mean((w == 0).to(w.dtype), mask, sample_index) > 0  # [T]
+    log_w = torch.log(w.clamp(min=torch.finfo(w.dtype).tiny)).masked_fill(~mask, 0.0)  # [T]
+    geo = torch.exp(per_sample_mean(log_w, mask, sample_index))  # [T]
+    return geo.masked_fill(zero | ~mask, 0.0)
+
+
 def build_loss(cfg: LossConfig, max_new_tokens: int | None = None) -> GRPOLoss:
     """A `GRPOLoss` from config; `max_new_tokens` is the Dr.GRPO constant when
     `cfg.constant_normalizer` is None."""
@@ -207,6 +223,7 @@ def build_loss(cfg: LossConfig, max_new_tokens: int | None = None) -> GRPOLoss:
         raise ValueError("seq_sum_constant: set loss.constant_normalizer or pass max_new_tokens")
     return GRPOLoss(
         objective=OBJECTIVES[cfg.objective],
+        geometric_weights=cfg.objective == "gmpo",
         bounds=Bounds(
             cfg.clip_low,
             cfg.clip_high,

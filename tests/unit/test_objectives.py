@@ -73,6 +73,26 @@ def test_gmpo_clips_token_log_ratios_then_takes_their_geometric_mean():
     assert m["clip_high_sum"].item() == 1 and m["clip_low_sum"].item() == 1
 
 
+def test_gmpo_weighs_each_sample_by_the_geometric_mean_of_its_token_weights():
+    """As verl's geo_mean: the ratio is a geometric mean, and so is the correction weight
+    of the sample; a product per token would take their arithmetic mean (1.25 here)."""
+    cfg = replace(
+        BASE,
+        objective="gmpo",
+        aggregation=SEQ,
+        correction=CorrectionConfig(level="token", mode="truncate", cap=2.0),
+    )
+    # old = logp: the ratio is 1 (g = 1); the token weights exp(old - behaviour) are 0.5, 2
+    batch = _batch({"adv": 1.0, "behaviour": [0.0, 0.0], "old": [L(0.5), L(2.0)]})
+    loss, grad, _ = _loss(cfg, batch, [L(0.5), L(2.0)], tokens=2, samples=1)
+    assert loss == pytest.approx(-1.0, abs=1e-6)  # -A g sqrt(0.5 * 2)
+    assert grad == pytest.approx([-0.5, -0.5], abs=1e-6)  # d g / d logp_t = g / n
+    # a token the correction masks (weight 0) zeroes its sample's weight
+    masked = replace(cfg, correction=CorrectionConfig(level="token", mode="mask", cap=1.5))
+    loss, grad, _ = _loss(masked, batch, [L(0.5), L(2.0)], tokens=2, samples=1)
+    assert loss == 0.0 and grad == [0.0, 0.0]
+
+
 def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
