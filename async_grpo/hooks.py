@@ -31,7 +31,9 @@ EVENTS = (
 @dataclass
 class HookContext:
     """What a hook may use: the run's config, its output folder, the model folder, and
-    `log(step, metrics)`, which writes a row to the metrics (JSONL and trackers)."""
+    `log(step, metrics)`, which writes a row to the metrics (JSONL and trackers);
+    `last_version` is the run's last version: `trainer.max_steps`, or the step at which
+    `trainer.stop_at_reward` ended it (set before that version's push)."""
 
     cfg: Any
     output_dir: Path
@@ -39,6 +41,7 @@ class HookContext:
     log: Any = None
     hooks: Any = None  # the `Hooks` running this one (to raise `after_eval` from a hook)
     extra: dict[str, Any] = field(default_factory=dict)
+    last_version: int | None = None
 
 
 class TrainingHook:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from async_grpo.config import RunConfig
+from async_grpo.config import ConfigError, RunConfig
 from async_grpo.errors import UserError
 
 
@@ -24,10 +24,26 @@ def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None
 
         for name in cfg.verifier.rewards:
             get_reward(name)
+    else:
+        check_turn_template(cfg, Path(model_dir))
     check_model(Path(model_dir), run_attentions(cfg))
     lora = check_lora_targets(cfg, Path(model_dir)) if cfg.trainer.lora.rank else None
     if resumed is not None:
         check_resumed_lora(resumed, lora)
+
+
+def check_turn_template(cfg: RunConfig, model_dir: Path) -> None:
+    """An episode writes the environment's replies as user turns of the model's chat
+    template (environments/turns.py), whatever `prompt_format` says of the first prompt:
+    a model without one cannot run an environment."""
+    from transformers import AutoTokenizer
+
+    if not AutoTokenizer.from_pretrained(model_dir).chat_template:
+        raise ConfigError(
+            f"environment.name={cfg.environment.name}: model {model_dir} has no chat"
+            " template, and an episode writes the environment's replies as turns of it;"
+            " use a model with one (an instruct model) or the single-turn verifiers"
+        )
 
 
 def check_lora_targets(cfg: RunConfig, model_dir: Path) -> dict[str, Any]:

@@ -413,7 +413,8 @@ class ExperienceBatcher:
         redraws = self.books[step].pop("groups/redraws", 0.0)  # groups, not samples
         self.books[step]["samples/trained"] += len(samples) - len(skipped)
         self.books[step]["samples/skipped"] += len(skipped)
-        stats = report.batch_stats(step, groups, time.monotonic() - t0)
+        redrawn = self._redrawn.pop(step, [])
+        stats = report.batch_stats(step, groups, time.monotonic() - t0, replaced + redrawn)
         stats |= self._drain_counters(step)
         stats |= await report.pool_counters(self._clients)
         stats["pool/generation/catch_up_requests"] = float(self.catch_ups)
@@ -425,7 +426,6 @@ class ExperienceBatcher:
         stats["skipped_samples"] = float(len(skipped))
         if self.cfg.batcher.spare_groups:
             stats["spare_groups_used"] = float(spares_used)
-        redrawn = self._redrawn.pop(step, [])
         if self.cfg.batcher.dynamic_sampling:
             stats["dynamic_sampling/redraws"] = redraws
             stats["dynamic_sampling/replaced"] = float(len(redrawn))

@@ -48,15 +48,27 @@ def ledger(books: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def batch_stats(step: int, groups: list[list[ScoredSample]], wait_s: float) -> dict[str, float]:
-    """Rewards, lengths, staleness and the like over the groups that step `step` trains."""
+def batch_stats(
+    step: int,
+    groups: list[list[ScoredSample]],
+    wait_s: float,
+    set_aside: Sequence[list[ScoredSample]] = (),
+) -> dict[str, float]:
+    """Rewards, lengths, staleness and the like over the groups that step `step` trains.
+
+    `reward/mean` is over every group the step generated and scored: the trained ones and
+    `set_aside`, those that dynamic sampling redrew or a spare replaced (equal rewards,
+    often all correct). It is what the policy scores, and what `trainer.stop_at_reward`
+    reads; `reward/trained_mean` is over the trained groups alone."""
     samples = [s for g in groups for s in g]
     if not samples:
         return {"samples": 0.0}
     mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0  # noqa: E731
+    scored = samples + [s for g in set_aside for s in g]
     stats = {
         "samples": float(len(samples)),
-        "reward/mean": mean([s.reward for s in samples]),
+        "reward/mean": mean([s.reward for s in scored]),
+        "reward/trained_mean": mean([s.reward for s in samples]),
         "reward/max_in_group_mean": mean([max(s.reward for s in g) for g in groups]),
         "output_length/mean": mean([len(s.completion_ids) for s in samples]),
         "truncated_fraction": mean([float(s.truncated) for s in samples]),

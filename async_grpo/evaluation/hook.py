@@ -63,7 +63,8 @@ class EvalHook(TrainingHook):
         e = self.cfg.eval
         if version == self.start_step:
             return e.at_start
-        return version % e.every == 0 or version == self.cfg.trainer.max_steps
+        last = self.ctx.last_version if self.ctx is not None else None
+        return version % e.every == 0 or version == (last or self.cfg.trainer.max_steps)
 
     def on_start(self, ctx: HookContext) -> None:
         import ray

@@ -76,6 +76,7 @@ class Trainer:
         self.spans = SpanLog("trainer")
         self.bar: Any = None
         self.hooks = Hooks([])  # rank 0's (build_trainer): eval, sample log, the user's
+        self.hook_ctx: HookContext | None = None  # rank 0's, given to every hook
         self.log_dir: Any = None  # OUTPUT_DIR/logs in a quiet run
         self.final_push = False  # push the final weights too (a hook evaluates them)
         self.t_start = time.perf_counter()
@@ -100,6 +101,8 @@ class Trainer:
         if self.rank == 0:  # a late joiner must not load another run's checkpoint
             self.pusher.announce_checkpoint(self.start, self.resumed_hf)
             ctx = HookContext(self.cfg, Path(self.cfg.output_dir), self.model_dir, self.writer.log)
+            ctx.last_version = self.cfg.trainer.max_steps
+            self.hook_ctx = ctx
             ctx.hooks, ctx.extra["log_dir"] = self.hooks, self.log_dir
             self.hooks.call("on_start", ctx)
         try:
@@ -270,6 +273,8 @@ class Trainer:
         timings["time/optimizer"] = time.perf_counter() - to
         if self._reached_target(eob):
             self.stopped_at = step + 1
+            if self.rank == 0:  # the hooks see the run's last version before its push
+                self.hook_ctx.last_version = self.stopped_at
         timings |= self._push_and_save(step + 1)
         record = self._record(step + 1, t0, acc, books, eob, grad_norm, lr, timings)
         self._report(step, record, eob)

@@ -10,11 +10,13 @@ that engine nondeterminism."""
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from _cli import ASYNC, run_command, run_loop
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(tiny_model_dir, out, steps, *extra):
@@ -188,8 +190,9 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
     too, or they are cancelled in the engine when the step is packed): their samples are
     counted unused and the books balance; nor can a redraw (dynamic sampling, bound 1).
     Its mean reward of 0 reaches `trainer.stop_at_reward: 0` over 2 steps: the run of 4
-    steps ends after step 2, with its checkpoint."""
-    metrics = _run(
+    steps ends after step 2, with its checkpoint and a held-out evaluation of version 2
+    (not due by `eval.every`: the run's last version)."""
+    rows = _run(
         tiny_model_dir,
         tmp_path / "flat",
         4,
@@ -200,10 +203,17 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
         "trainer.save_every=0",
         "batcher.spare_groups=2",
         "batcher.dynamic_sampling=1",
+        f"eval.data={REPO / 'sample-data' / 'arithmetic-heldout.jsonl'}",
+        "eval.every=3",
+        "eval.at_start=false",
+        "eval.max_questions=2",
     )
+    metrics = [m for m in rows if "eval/policy_version" not in m]
+    assert [m["eval/policy_version"] for m in rows if m not in metrics] == [2]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["reward/mean"] == 0.0 and m["zero_advantage_fraction"] == 1.0
+        assert m["reward/trained_mean"] == 0.0
         assert m["skipped_samples"] == m["samples"] == 6
         assert m["spare_groups_used"] == 0 and m["dropped/spare_unused"] == 12
         # the one group was redrawn once (equal again): its first draw left as redrawn

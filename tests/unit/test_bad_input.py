@@ -103,6 +103,19 @@ def test_chat_prompts_for_a_model_without_a_chat_template(tmp_path, tiny_model_d
     _refused(_run(tmp_path, f"model={folder}"), "no chat template", "prompt_format=plain")
 
 
+def test_an_environment_on_a_model_without_a_chat_template(tmp_path, tiny_model_dir):
+    """Plain prompts pass, but the episode's turns need the template: refused before Ray."""
+    folder = _without_chat_template(tmp_path, tiny_model_dir)
+    r = _run(
+        tmp_path,
+        f"model={folder}",
+        "prompt_format=plain",
+        "environment.name=calculator",
+        "eval.data=null",
+    )
+    _refused(r, "environment.name=calculator", "no chat template")
+
+
 def test_plain_prompts_are_the_text_as_it_is(tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -83,6 +83,11 @@ def test_equal_reward_groups_are_redrawn_until_they_carry_a_gradient():
         skipped=left * N,
     )
     assert eob.stats["dropped/redrawn"] == redraws * N
+    # the reward of every group scored: the trained ones and the redrawn ones (all 1.0)
+    trained_sum = eob.stats["reward/trained_mean"] * Q * N
+    want = (trained_sum + redraws * N * 1.0) / ((Q + redraws) * N)
+    assert abs(eob.stats["reward/mean"] - want) < 1e-9
+    assert eob.stats["reward/mean"] != eob.stats["reward/trained_mean"]
 
 
 def test_redraws_stop_at_the_bound_and_the_group_is_set_aside():

@@ -76,6 +76,9 @@ def test_finished_spares_take_the_places_of_equal_reward_groups():
     _balanced(eob.stats, planned=16, requested=24, trained=8, skipped=8)
     assert eob.stats["dropped/replaced_by_spare"] == 8.0
     assert eob.stats.get("dropped/spare_unused", 0.0) == 0.0
+    # the groups the spares replaced (all 1.0) count in the reward of what was scored
+    trained_sum = eob.stats["reward/trained_mean"] * 16
+    assert abs(eob.stats["reward/mean"] - (trained_sum + 8 * 1.0) / 24) < 1e-9
     # a checkpoint keeps the step as it was packed: two slots hold the spares now
     lens = sorted(len(g[0].prompt_ids) for g in pending[0])
     assert len(lens) == 4 and set(lens) > spare and set(lens) - spare < regular
