@@ -189,6 +189,8 @@ class TrainerConfig:
     lr: float = 1e-6
     warmup_steps: int = 0
     max_steps: int = 20
+    mini_batches: int = 1  # optimizer updates per generated batch, whole groups each (docs/loss.md)
+    epochs: int = 1  # passes over those mini-batches per batch
     stop_at_reward: float | None = None  # end once the last stop_window steps' mean reaches it
     stop_window: int = 3  # steps in that mean
     weight_decay: float = 0.0

@@ -45,6 +45,8 @@ def check_numbers(cfg: RunConfig) -> None:
         "batcher.max_tokens_per_gpu": b.max_tokens_per_gpu,
         "trainer.num_ranks": t.num_ranks,
         "trainer.max_steps": t.max_steps,
+        "trainer.mini_batches": t.mini_batches,
+        "trainer.epochs": t.epochs,
         "trainer.stop_window": t.stop_window,
         "trainer.lr": t.lr,
         "trainer.push_every": t.push_every,
@@ -54,6 +56,11 @@ def check_numbers(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
+    if t.mini_batches > b.questions_per_step:
+        raise ConfigError(
+            f"trainer.mini_batches: {t.mini_batches} parts of whole groups need at least as"
+            f" many groups a step, got batcher.questions_per_step={b.questions_per_step}"
+        )
     non_negative = {
         "generation.temperature": g.temperature,
         "generation.kv_cache_gib": g.kv_cache_gib,

@@ -113,6 +113,7 @@ class ExperienceBatcher:
         self._skip_zero = (
             cfg.batcher.skip_zero_advantage and loss.kl_coef == 0 and loss.entropy_coef == 0
         )
+        self.parts = cfg.trainer.mini_batches  # optimizer updates a batch is split into
 
     # -- control, called by trainer rank 0 ------------------------------------------------
     async def start(
@@ -352,7 +353,9 @@ class ExperienceBatcher:
 
     async def _emit_step(self, step: int) -> None:
         """Pack `step`'s groups into rounds as they finish, then its last rounds and its
-        EndOfBatch; equal-reward groups are set aside (and may give way to spares)."""
+        EndOfBatch; equal-reward groups are set aside (and may give way to spares). With
+        several optimizer updates per batch (`trainer.mini_batches` or `epochs` > 1) the
+        step's groups are all awaited first, then sent part by part (`_send_parts`)."""
         b = self.cfg.batcher
         budget = b.max_tokens_per_gpu
         t0 = time.monotonic()
@@ -368,6 +371,8 @@ class ExperienceBatcher:
             if self._skip_zero and all(s.advantage == 0.0 for s in group):
                 set_aside.append(group)
                 continue
+            if self.parts > 1 or self.cfg.trainer.epochs > 1:
+                continue  # parts need the whole batch: nothing is streamed
             buffer += group_units(group, budget, b.share_prompts)
             while (
                 bins := fill_round([self._tokens(u) for u in buffer], self.num_ranks, budget)
@@ -383,20 +388,53 @@ class ExperienceBatcher:
             self._groups[step],
             self.channel.until_a_reader_waits,
         )
-        for group in spares:
-            buffer += group_units(group, budget, b.share_prompts)
         groups = [g for g in groups if all(g is not r for r in replaced)] + spares
         skipped = [s for g in set_aside if all(g is not r for r in replaced) for s in g]
-        plan = plan_minibatches([self._tokens(u) for u in buffer], budget, self.num_ranks)
-        for k in range(len(plan[0])):
-            await self._send_round(
-                step,
-                [flat_units(buffer, plan[r][k]) for r in range(self.num_ranks)],
-                last=k == len(plan[0]) - 1,
-            )
-            passes += 1
+        if self.parts > 1 or self.cfg.trainer.epochs > 1:
+            trained = [g for g in groups if all(g is not a for a in set_aside)]
+            passes, part_counts = await self._send_parts(step, trained)
+        else:
+            part_counts = []
+            for group in spares:
+                buffer += group_units(group, budget, b.share_prompts)
+            plan = plan_minibatches([self._tokens(u) for u in buffer], budget, self.num_ranks)
+            for k in range(len(plan[0])):
+                await self._send_round(
+                    step,
+                    [flat_units(buffer, plan[r][k]) for r in range(self.num_ranks)],
+                    last=k == len(plan[0]) - 1,
+                )
+                passes += 1
         del self._ready[step]
-        await self._end_step(step, groups, skipped, replaced, len(spares), passes, t0)
+        await self._end_step(step, groups, skipped, replaced, len(spares), passes, t0, part_counts)
+
+    async def _send_parts(
+        self, step: int, groups: list[list[ScoredSample]]
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """`trainer.mini_batches` parts of the step's trained groups, whole groups in slot
+        order (the same on a resumed run, whatever order they finished in), each packed
+        into its own rounds; the last round of a part is marked `last`. Returns the rounds
+        sent and each part's (loss tokens, samples)."""
+        b = self.cfg.batcher
+        slot_of = {id(g): k for k, g in self._groups[step].items() if g is not None}
+        groups = sorted(groups, key=lambda g: slot_of[id(g)])
+        passes, counts = 0, []
+        for m in range(self.parts):
+            part = groups[m * len(groups) // self.parts : (m + 1) * len(groups) // self.parts]
+            counts.append(self._loss_counts([s for g in part for s in g]))
+            units = [u for g in part for u in group_units(g, b.max_tokens_per_gpu, b.share_prompts)]
+            plan = plan_minibatches(
+                [self._tokens(u) for u in units], b.max_tokens_per_gpu, self.num_ranks
+            )
+            for k in range(len(plan[0])):
+                await self._send_round(
+                    step,
+                    [flat_units(units, plan[r][k]) for r in range(self.num_ranks)],
+                    last=k == len(plan[0]) - 1,
+                    part=m,
+                )
+                passes += 1
+        return passes, counts
 
     async def _end_step(
         self,
@@ -407,6 +445,7 @@ class ExperienceBatcher:
         spares_used: int,
         passes: int,
         t0: float,
+        part_counts: list[tuple[int, int]] | None = None,
     ) -> None:
         """Book `step`, gather its statistics and send every rank its EndOfBatch."""
         samples = [s for grp in groups for s in grp]
@@ -441,6 +480,7 @@ class ExperienceBatcher:
         async with self._emitting:
             for r in range(self.num_ranks):
                 eob = EndOfBatch(step, tokens, count, passes, stats, skip_tokens, skip_count)
+                eob.part_counts = list(part_counts or [])
                 eob.samples = logged if r == 0 else []  # rank 0 writes them
                 eob.spans = spans if r == 0 else []
                 await self.channel.put(r, eob, 1, timeout_s=3600)
@@ -464,14 +504,14 @@ class ExperienceBatcher:
         return packed_tokens(samples, self.cfg.batcher.share_prompts)
 
     async def _send_round(
-        self, step: int, bins: list[list[ScoredSample]], last: bool = False
+        self, step: int, bins: list[list[ScoredSample]], last: bool = False, part: int = 0
     ) -> None:
         async with self._emitting:  # a PushNow lands between two rounds on every rank
             for rank, samples in enumerate(bins):
                 tokens = self._tokens(samples)
                 self.counters["packed_tokens"] += tokens
                 self.counters["packed_budget"] += self.cfg.batcher.max_tokens_per_gpu
-                mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens, last)
+                mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens, last, part)
                 await self.channel.put(rank, mb, max(tokens, 1), timeout_s=3600)
 
     def _loss_counts(self, samples: list[ScoredSample]) -> tuple[int, int]:

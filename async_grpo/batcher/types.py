@@ -80,12 +80,15 @@ class Minibatch:
     """What one rank runs in one forward/backward. `samples` may be empty (a padding pass
     that keeps the ranks' collectives in step); their tokens total <= max_tokens_per_gpu.
     `last`: the step's final round (the same on every rank), after which gradients are
-    reduced; a round streamed before the batch was complete is never marked."""
+    reduced; a round streamed before the batch was complete is never marked. With several
+    updates per batch, `part` is the update (mini-batch) it belongs to and `last` marks
+    each part's final round."""
 
     step: int
     samples: list[PackInput]
     num_tokens: int
     last: bool = False
+    part: int = 0
 
 
 @dataclass
@@ -103,6 +106,8 @@ class EndOfBatch:
     skipped_samples: int = 0
     samples: list[dict] = field(default_factory=list)  # a few, every `sample_every` steps
     spans: list[dict] = field(default_factory=list)  # the pools' timeline spans (rank 0's)
+    # several updates per batch: each part's (loss tokens, samples), skipped ones apart
+    part_counts: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

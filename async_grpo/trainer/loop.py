@@ -64,6 +64,7 @@ class Trainer:
         self.batcher, self.model_dir, self.device = batcher, model_dir, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.loss_fn = build_loss(cfg.trainer.loss, cfg.generation.max_new_tokens)
+        self.updates_per_batch = cfg.trainer.mini_batches * cfg.trainer.epochs
         self.start = 0
         self.samples_seen = 0  # samples trained on (with a loss token), over all steps
         self.pending: dict[int, Any] = {}  # groups a checkpoint kept for the next steps
@@ -173,10 +174,10 @@ class Trainer:
             "time/weight_catch_up": 0.0,
         }
         mask_truncated = self.cfg.trainer.loss.mask_truncated
-        use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
         defer = self.cfg.trainer.defer_grad_sync and self.world > 1
         base_kl = self.cfg.reference == "base"
         unreduced = False  # a backward ran without reducing its gradients
+        acc["kept"] = []  # several updates per batch: (part, batch) of every round, in order
         while True:
             tw, wall = time.perf_counter(), time.time()
             item = self.batcher.next()
@@ -197,20 +198,17 @@ class Trainer:
                 tr = time.perf_counter()
                 batch.ref_logprobs = self._base_logprobs(batch)
                 acc["time/reference"] += time.perf_counter() - tr
-            if defer:  # the same on every rank: rounds and their `last` are
-                self.policy.set_requires_gradient_sync(item.last)
-                unreduced = not item.last
-            logp, ent = self.policy(batch, True)
-            loss, m = self.loss_fn(logp, batch, 1, 1, ent if use_entropy else None, 1)
-            loss.backward()
-            if not use_entropy:  # the loss sums it when it uses it; the metric always
-                m["entropy_sum"] = ent.detach()[loss_weight_mask(batch, mask_truncated)].sum()
-            m["loss_total"] = loss.detach()
-            for k, v in m.items():
-                if k.endswith("_max"):  # a maximum, not a sum
-                    acc["sums"][k] = max(acc["sums"].get(k, float("-inf")), float(v))
-                else:
-                    acc["sums"][k] += float(v)
+            if self.updates_per_batch > 1:  # the updates run once the batch is whole
+                if self.cfg.trainer.loss.proximal == "current":
+                    with torch.no_grad():  # the policy before the batch's first update
+                        old, _ = self.policy(batch, True)
+                    batch.old_logprobs = old.detach().masked_fill(~batch.loss_mask, 0.0)
+                acc["kept"].append((item.part, batch))
+            else:
+                if defer:  # the same on every rank: rounds and their `last` are
+                    self.policy.set_requires_gradient_sync(item.last)
+                    unreduced = not item.last
+                self._forward_backward(batch, acc["sums"])
             tokens, samples = loss_counts(batch, mask_truncated)
             acc["counts"][0] += tokens
             acc["counts"][1] += samples
@@ -219,6 +217,80 @@ class Trainer:
             acc["tokens"] += item.num_tokens
             acc["time/forward_backward"] += time.perf_counter() - tf
             self.spans.add("train", wall, time.time())
+
+    def _forward_backward(self, batch: Any, sums: dict[str, float]) -> None:
+        """The loss of one minibatch (a plain sum, normalised at the update) backwards, its
+        metric sums added to `sums`."""
+        use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
+        logp, ent = self.policy(batch, True)
+        loss, m = self.loss_fn(logp, batch, 1, 1, ent if use_entropy else None, 1)
+        loss.backward()
+        if not use_entropy:  # the loss sums it when it uses it; the metric always
+            mask = loss_weight_mask(batch, self.cfg.trainer.loss.mask_truncated)
+            m["entropy_sum"] = ent.detach()[mask].sum()
+        m["loss_total"] = loss.detach()
+        for k, v in m.items():
+            if k.endswith("_max"):  # a maximum, not a sum
+                sums[k] = max(sums.get(k, float("-inf")), float(v))
+            else:
+                sums[k] += float(v)
+
+    def _updates(self, acc: dict[str, Any], eob: EndOfBatch) -> tuple[float, float]:
+        """Several optimizer updates on the batch: `trainer.epochs` passes over its parts
+        (`trainer.mini_batches`, whole groups each, as the batcher sent them), each part
+        normalised by its own global count plus its share of the skipped samples. The
+        ratio is against the policy before the first update (`old_logprobs`, taken as the
+        rounds came). Fills `acc["sums"]` over every update and the per-update figures;
+        returns the mean grad norm and the last lr."""
+        from async_grpo.core.loss import summarize_metrics
+
+        t = self.cfg.trainer
+        defer = t.defer_grad_sync and self.world > 1
+        parts: dict[int, list[Any]] = defaultdict(list)
+        for part, batch in acc.pop("kept"):
+            parts[part].append(batch)
+        index = 0 if self.loss_fn.aggregation_name == "token_mean" else 1
+        counted = [c[index] for c in eob.part_counts]
+        skipped = eob.skipped_tokens if index == 0 else eob.skipped_samples
+        norms, lr, clip, losses = [], 0.0, [], []
+        for _ in range(t.epochs):
+            for part in sorted(parts):
+                sums: dict[str, float] = defaultdict(float)
+                for k, batch in enumerate(parts[part]):
+                    if defer:  # reduce in the part's last backward, as every rank does
+                        self.policy.set_requires_gradient_sync(k == len(parts[part]) - 1)
+                    self._forward_backward(batch, sums)
+                own = counted[part]
+                if not own:  # no loss token in this part: nothing to update
+                    self.opt.zero_grad(set_to_none=True)
+                    continue
+                denom = own + skipped * own / max(sum(counted), 1)
+                norm, lr = self._optimize(denom)
+                norms.append(norm)
+                for key, v in sums.items():
+                    if key.endswith("_max"):
+                        acc["sums"][key] = max(acc["sums"].get(key, float("-inf")), v)
+                    else:
+                        acc["sums"][key] += v
+                reduced = self._reduced(sums)
+                losses.append(reduced.pop("loss_total") / denom)
+                summary = summarize_metrics(reduced)
+                clip.append(summary.get("clip_low_frac", 0.0) + summary.get("clip_high_frac", 0.0))
+        acc["update_figures"] = {
+            "updates": float(len(norms)),
+            "loss": sum(losses) / len(losses) if losses else 0.0,
+            "clip_fraction/first_update": clip[0] if clip else 0.0,
+            "clip_fraction/last_update": clip[-1] if clip else 0.0,
+        }
+        return (sum(norms) / len(norms) if norms else 0.0), lr
+
+    def _reduced(self, sums: dict[str, float]) -> dict[str, float]:
+        """One update's loss, token and clip counts summed over the ranks."""
+        keys = ["loss_total", "tokens", "clip_low_sum", "clip_high_sum"]
+        flat = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(flat)
+        return dict(zip(keys, flat.tolist(), strict=True))
 
     def _base_logprobs(self, batch: Any) -> torch.Tensor:
         """The reference log-probs under LoRA: the frozen base's, from the same policy with
@@ -265,8 +337,12 @@ class Trainer:
         eob, acc = self._accumulate(step)
         fault_point("trainer.step")  # the fault suite's trainer crash: after fwd/bwd
         to, wall = time.perf_counter(), time.time()
-        books = reduce_books(acc, eob, step, self.rank, self.loss_fn.aggregation_name)
-        grad_norm, lr = self._optimize(books.denom)
+        if self.updates_per_batch > 1:
+            grad_norm, lr = self._updates(acc, eob)
+            books = reduce_books(acc, eob, step, self.rank, self.loss_fn.aggregation_name)
+        else:
+            books = reduce_books(acc, eob, step, self.rank, self.loss_fn.aggregation_name)
+            grad_norm, lr = self._optimize(books.denom)
         self.spans.add("train", wall, time.time())
         self.samples_seen += books.samples
         timings = {k: float(acc[k]) for k in ACCUMULATED_TIMINGS}
@@ -416,6 +492,7 @@ class Trainer:
             **eob.stats,
             **self.policy.attention.stats(),
             **timings,
+            **acc.get("update_figures", {}),  # several updates: their mean loss, clip counts
         }
 
     def _report(self, step: int, record: dict[str, Any], eob: EndOfBatch) -> None:

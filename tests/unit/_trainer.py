@@ -56,27 +56,47 @@ def samples(seed: int = 5, n: int = 9) -> list[PackInput]:
     return out
 
 
+def part_of(all_samples: list[PackInput], parts: int) -> list[list[PackInput]]:
+    """The samples in `parts` contiguous parts, as the batcher splits a step's groups."""
+    n = len(all_samples)
+    return [all_samples[m * n // parts : (m + 1) * n // parts] for m in range(parts)]
+
+
 class ScriptedBatcher:
     """What the batcher would send one rank for step 0: its planned minibatches, then the
     step's EndOfBatch with the global counts."""
 
     def __init__(
-        self, all_samples: list[PackInput], rank: int, world: int, mark_last: bool = True
+        self,
+        all_samples: list[PackInput],
+        rank: int,
+        world: int,
+        mark_last: bool = True,
+        parts: int = 1,
     ) -> None:
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in all_samples]
-        plan = plan_minibatches(lengths, BUDGET, world)
+        """`parts` > 1: the samples in that many contiguous parts (`part_of`), each packed
+        into rounds of its own, as the batcher sends several updates per batch."""
         tokens, count = loss_counts(pack(all_samples), LOSS.mask_truncated)
-        depth = len(plan[rank])
-        self.items: list[object] = [
-            Minibatch(
-                0,
-                [all_samples[i] for i in mb],
-                sum(lengths[i] for i in mb),
-                last=mark_last and k == depth - 1,
-            )
-            for k, mb in enumerate(plan[rank])
-        ]
-        self.items.append(EndOfBatch(0, tokens, count, len(plan[rank]), {"reward/mean": 0.5}))
+        self.items: list[object] = []
+        part_counts = []
+        for m, part in enumerate(part_of(all_samples, parts)):
+            lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in part]
+            plan = plan_minibatches(lengths, BUDGET, world)
+            depth = len(plan[rank])
+            self.items += [
+                Minibatch(
+                    0,
+                    [part[i] for i in mb],
+                    sum(lengths[i] for i in mb),
+                    last=mark_last and k == depth - 1,
+                    part=m,
+                )
+                for k, mb in enumerate(plan[rank])
+            ]
+            part_counts.append(loss_counts(pack(part), LOSS.mask_truncated))
+        eob = EndOfBatch(0, tokens, count, len(self.items), {"reward/mean": 0.5})
+        eob.part_counts = part_counts if parts > 1 else []
+        self.items.append(eob)
         self.versions: list[int] = []
 
     def next(self) -> object:

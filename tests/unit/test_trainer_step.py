@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from _dist import one_rank_group, run_two_ranks
 from _tiny import tiny_llama
-from _trainer import LOSS, ScriptedBatcher, run_config, samples, trainer
+from _trainer import LOSS, ScriptedBatcher, part_of, run_config, samples, trainer
 from transformers import AutoModelForCausalLM
 
 from async_grpo.core.logprobs import batch_logprobs
@@ -211,3 +211,63 @@ def test_a_push_now_mid_step_sends_the_weights_held_and_leaves_the_step_exact(
         assert all(torch.equal(sent[k], before[k]) for k in before)  # not yet updated
     else:
         assert batcher.versions == []
+
+
+def _updates_reference(model_dir: str, parts: int, epochs: int) -> dict[str, torch.Tensor]:
+    """Several SGD updates (lr 1) in one process, no FSDP: each part's loss normalised by
+    its own counts, the ratio against the policy before the first update."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    batches = [pack(part) for part in part_of(samples(), parts)]
+    loss_fn = build_loss(LOSS, 64)
+    for batch in batches:
+        with torch.no_grad():
+            old, _ = batch_logprobs(model, batch, LOSS.temperature, 1024, True)
+        batch.old_logprobs = old.masked_fill(~batch.loss_mask, 0.0)
+    for _ in range(epochs):
+        for batch in batches:
+            tokens, count = loss_counts(batch, LOSS.mask_truncated)
+            logp, ent = batch_logprobs(model, batch, LOSS.temperature, 1024, True)
+            loss, _ = loss_fn(logp, batch, tokens, count, ent, 1)
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= p.grad
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _parts_rank(rank: int, model_dir: str, out: str, parts: int, epochs: int) -> None:
+    cfg = run_config(out, mini_batches=parts, epochs=epochs)
+    batcher = ScriptedBatcher(samples(), rank, 2, parts=parts)
+    tr = trainer(model_dir, cfg, torch.device("cpu"), batcher)
+    record = tr.step(0)
+    after = full_state_dict(tr.policy)
+    if rank == 0:
+        torch.save({"after": after, "record": record}, Path(out) / "step.pt")
+
+
+@pytest.mark.parametrize(("parts", "epochs"), [(2, 1), (2, 2)])
+def test_several_updates_per_batch_are_each_parts_own_gradient(model_dir, tmp_path, parts, epochs):
+    """`trainer.mini_batches` parts, `trainer.epochs` passes: on 2 ranks each update is the
+    SGD step of its part's own loss (normalised by the part's counts) at the weights the
+    previous update left, its ratio taken against the policy before the first update:
+    the weights after the step equal one process doing those updates in turn."""
+    run_two_ranks(_parts_rank, model_dir, str(tmp_path), parts, epochs)
+    saved = torch.load(tmp_path / "step.pt")
+    want = _updates_reference(model_dir, parts, epochs)
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    start = dict(initial.named_parameters())
+    moved = 0
+    for name, w in want.items():
+        got = saved["after"][name]
+        step = (w - start[name]).abs().max().item()
+        assert (got - w).abs().max().item() <= 1e-4 * step + 1e-6, name
+        moved += step > 0
+    assert moved >= 10
+    record = saved["record"]
+    assert record["updates"] == parts * epochs
+    # the first update's ratio is exactly 1: nothing to clip; lr 1 moves the next ones off
+    assert record["clip_fraction/first_update"] == 0.0
+    assert record["clip_fraction/last_update"] > 0.0
