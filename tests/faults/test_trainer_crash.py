@@ -1,5 +1,5 @@
 """A trainer rank killed mid-step (after its forward/backward, before the optimizer step)
-of a run one step off-policy on 2 ranks: `async-grpo run` ends with one line saying how to
+of a run one step off-policy on 2 ranks, with several optimizer updates per batch: `async-grpo run` ends with one line saying how to
 resume and leaves no process; `async-grpo run ... --resume` continues from the last
 checkpoint (step 3) and trains step 4 on exactly the groups generated before the crash
 (kept in the checkpoint) instead of generating them again; the metrics file holds each
@@ -14,12 +14,14 @@ from _cli import ASYNC, loop_command
 from _faults import assert_all_gone, assert_books, finish, fired, rows, start
 
 pytestmark = pytest.mark.faults
+# several optimizer updates per batch: 2 parts of one group each, 2 passes (docs/loss.md)
+UPDATES = ("trainer.mini_batches=2", "trainer.epochs=2")
 
 
 @pytest.fixture(scope="module")
 def crashed_then_resumed(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("crash")
-    cmd = loop_command(tiny_model_dir, out, 4, *ASYNC)
+    cmd = loop_command(tiny_model_dir, out, 4, *ASYNC, *UPDATES)
     proc, tag = start(cmd, out, "trainer.step@4")  # step 4's forward/backward
     crashed = finish(proc, out)
     crash = {"code": proc.returncode, "console": crashed, "steps": [r["step"] for r in rows(out)]}
@@ -69,3 +71,5 @@ def test_async_steps_train_on_one_step_stale_samples(crashed_then_resumed):
     assert [m["samples_seen"] for m in steps] == [12, 24, 36, 48]
     assert [m["curriculum/prompts_seen"] > 0 for m in steps] == [True] * 4
     assert not any(k.startswith("dropped/") and v for m in steps for k, v in m.items())
+    # 4 updates a step (2 parts, 2 passes), one push: the first update is not clipped
+    assert all(m["updates"] == 4 and m["clip_fraction/first_update"] == 0 for m in steps)
