@@ -1,4 +1,5 @@
-"""Objectives and off-policy corrections on the arithmetic curve, several seeds each.
+"""Objectives, off-policy corrections and updates per batch on the arithmetic curve,
+several seeds each.
 
     python bench/objectives.py --settings behaviour,current --seeds 0,1,2
     python bench/objectives.py --table            # the table of every run recorded so far
@@ -43,6 +44,11 @@ SETTINGS: dict[str, list[str]] = {  # name -> overrides of the config
         "trainer.loss.cispo_cap=1.2",
     ],
     "gmpo": ["trainer.loss.proximal=behaviour", "trainer.loss.objective=gmpo"],
+    "sapo": ["trainer.loss.proximal=behaviour", "trainer.loss.objective=sapo"],
+    # several optimizer updates per batch (the ratio against the batch's first policy)
+    "m2": ["trainer.mini_batches=2"],
+    "m4": ["trainer.mini_batches=4"],
+    "e2": ["trainer.epochs=2"],
 }
 EVAL_AT_END = ["eval.every=40", "eval.at_start=false", "sample_every=0"]
 
