@@ -7,6 +7,7 @@ Token auth is turned off for every process we start (a local `ray.init()` otherw
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 NAMESPACE = "async_grpo"
@@ -18,9 +19,12 @@ def connect(
     num_cpus: int | None = None,
     object_store_bytes: int = 1 << 30,
     log_to_driver: bool = True,
+    tries: int = 1,
 ) -> dict[str, Any]:
     """Join the cluster at `address`, or start a private local instance when it is None.
-    `log_to_driver=False`: actors' output is not streamed to this process's console."""
+    `log_to_driver=False`: actors' output is not streamed to this process's console.
+    `tries`: joins to attempt (a head this process just started, whose GCS may be slow to
+    answer on a loaded machine: Ray waits for it only so long)."""
     import logging
 
     import ray
@@ -38,9 +42,22 @@ def connect(
             log_to_driver=log_to_driver,
             logging_level=level,
         )
-    return ray.init(
-        address=address, namespace=NAMESPACE, log_to_driver=log_to_driver, logging_level=level
-    )
+    for tries_left in reversed(range(tries)):
+        try:
+            return ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                log_to_driver=log_to_driver,
+                logging_level=level,
+            )
+        except ConnectionError as e:  # the GCS did not answer in Ray's own wait
+            ray.shutdown()
+            if not tries_left:
+                raise ConnectionError(
+                    f"could not join the Ray cluster at {address} ({tries} tries): {e}"
+                ) from e
+            time.sleep(2.0)
+    return {}
 
 
 def registry_name(pool: str) -> str:

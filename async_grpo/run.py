@@ -314,7 +314,7 @@ def run_local(
             watchdog.guard(head.proc.pid)
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)
-        connect(address, log_to_driver=verbose)
+        connect(address, log_to_driver=verbose, tries=3 if head is not None else 1)
         if logs is not None:  # Ray's "(raylet) A worker died ..." lines: not on the console
             ray_errors_to_file(logs / "ray.log")
         if threading.current_thread() is threading.main_thread():  # ray.init set its own

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.faults
 @pytest.mark.parametrize(
     "sig, code, line",
     [
-        (signal.SIGINT, 130, "interrupted: stopping"),
+        pytest.param(  # KeyboardInterrupt, caught where SIGTERM's Stopped(KeyboardInterrupt) is
+            signal.SIGINT, 130, "interrupted: stopping", marks=pytest.mark.slow
+        ),
         (signal.SIGTERM, 143, "stopped by SIGTERM: stopping"),
         pytest.param(  # the SIGTERM handler, another number: kept for the slow run
             signal.SIGHUP, 129, "stopped by SIGHUP: stopping", marks=pytest.mark.slow

@@ -233,7 +233,9 @@ def test_equal_reward_groups_are_counted_not_run(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     "lora",
     [
-        (),
+        # full fine-tuning of an episode: `-m slow` (the merged-LoRA run below walks the
+        # same episodes and mask, and full pushes are in every other whole run)
+        pytest.param((), marks=pytest.mark.slow),
         (
             "trainer.lora.rank=8",
             "trainer.lora.alpha=16",
