@@ -91,7 +91,7 @@ def held_out_rows(rows: list[dict], exclude: list[str]) -> list[dict]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from async_grpo.config import load_config
+    from async_grpo.config_checks import load_config
     from async_grpo.trainer.setup import train
 
     cfg = load_config(args.config, args.overrides)
@@ -158,7 +158,7 @@ def _cause(e: BaseException) -> str:
 def _run(args: argparse.Namespace) -> int:
     import signal
 
-    from async_grpo.config import load_config
+    from async_grpo.config_checks import load_config
     from async_grpo.run import run_local, stop_on_signal
 
     cfg = load_config(args.config, args.overrides)

@@ -71,7 +71,7 @@ def _connect(address: str) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from async_grpo.config import load_config
+    from async_grpo.config_checks import load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.mode not in NO_MODEL and args.model is None:

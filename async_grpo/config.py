@@ -1,9 +1,10 @@
 """Typed configuration: one dataclass per part, loaded from YAML plus dotted overrides.
 
 In: a YAML file (configs/*.yaml) and overrides such as `trainer.lr=1e-6`.
-Out: a validated `RunConfig`; each part receives only its own sub-config.
-Unknown keys and wrong types raise `ConfigError` naming the key's path; contradictions
-between settings are refused by `config_checks.validate`.
+Out: a `RunConfig` (`from_dict`); each part receives only its own sub-config. Unknown
+keys and wrong types raise `ConfigError` naming the key's path; contradictions between
+settings are refused by `config_checks.validate`, and `config_checks.load_config` does
+both from a file.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from async_grpo.errors import UserError
-from async_grpo.text import NOT_UNICODE, not_unicode, read_text
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # "auto": bf16 where the process's device computes it natively, else fp32 (precision.py)
@@ -287,33 +286,6 @@ class RunConfig:
         if self.trainer.loss.kl_coef <= 0:
             return "none"
         return "base" if self.trainer.lora.rank else "logprob_pool"
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML config, apply `a.b.c=value` overrides, build and validate the tree."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            raw = yaml.safe_load(read_text(path)) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-        bad = not_unicode(raw)
-        if bad is not None:
-            raise ConfigError(f"{path}: {bad}: {NOT_UNICODE}")
-    for item in overrides:
-        apply_override(raw, item)
-    if "tensorboard" in raw:  # moved into the trackers section
-        raise ConfigError("tensorboard: moved; use trackers.tensorboard (see docs/metrics.md)")
-    cfg = from_dict(RunConfig, raw, "")
-    from async_grpo.config_checks import validate  # the checks need the classes above
-
-    validate(cfg)
-    return cfg
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -2,6 +2,8 @@
 
 In: a `RunConfig` built by `config.from_dict`. Out: nothing, or `ConfigError` with one line
 naming the key, its value and what was expected (a run would hang or crash later).
+`load_config` reads a YAML file and overrides into a checked `RunConfig` (here, above
+config.py: the classes never import their checks).
 """
 
 from __future__ import annotations
@@ -9,9 +11,19 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from pathlib import Path
 from typing import Any
 
-from async_grpo.config import ConfigError, CorrectionConfig, RunConfig
+import yaml
+
+from async_grpo.config import (
+    ConfigError,
+    CorrectionConfig,
+    RunConfig,
+    apply_override,
+    from_dict,
+)
+from async_grpo.text import NOT_UNICODE, not_unicode, read_text
 
 
 def finite_numbers(node: Any, where: str = "") -> None:
@@ -364,3 +376,28 @@ def validate_placement(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
             where = f"{key}.cpus"
             named[where] = check_cpus(section.cpus, where, section.threads)
     return named
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML config, apply `a.b.c=value` overrides, build and validate the tree."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            raw = yaml.safe_load(read_text(path)) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        bad = not_unicode(raw)
+        if bad is not None:
+            raise ConfigError(f"{path}: {bad}: {NOT_UNICODE}")
+    for item in overrides:
+        apply_override(raw, item)
+    if "tensorboard" in raw:  # moved into the trackers section
+        raise ConfigError("tensorboard: moved; use trackers.tensorboard (see docs/metrics.md)")
+    cfg = from_dict(RunConfig, raw, "")
+    validate(cfg)
+    return cfg

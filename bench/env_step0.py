@@ -35,7 +35,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from async_grpo.batcher.episodes import EpisodeRunner
-    from async_grpo.config import load_config
+    from async_grpo.config_checks import load_config
     from async_grpo.data import PromptSampler
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.environments.turns import TurnFormat

@@ -19,7 +19,7 @@ import torch
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from async_grpo.config import load_config
+    from async_grpo.config_checks import load_config
     from async_grpo.data import load_prompts
     from async_grpo.data.tokenize import tokenize_prompts
     from async_grpo.models import resolve_model

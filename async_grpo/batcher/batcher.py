@@ -40,7 +40,7 @@ from async_grpo.batcher import stats as report
 from async_grpo.batcher.catch_up import watch_versions
 from async_grpo.batcher.channel import Channel, ChannelClosed
 from async_grpo.batcher.groups import GroupMaker
-from async_grpo.batcher.rounds import fill_round, flat_units, group_units
+from async_grpo.batcher.rounds import fill_round, flat_units, group_units, plan_parts
 from async_grpo.batcher.spares import Spares
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample
 from async_grpo.config import RunConfig
@@ -114,6 +114,8 @@ class ExperienceBatcher:
             cfg.batcher.skip_zero_advantage and loss.kl_coef == 0 and loss.entropy_coef == 0
         )
         self.parts = cfg.trainer.mini_batches  # optimizer updates a batch is split into
+        self._whole = self.parts > 1 or cfg.trainer.epochs > 1  # parts need the whole batch
+        self._masked = loss.mask_truncated  # truncated samples carry no loss
 
     # -- control, called by trainer rank 0 ------------------------------------------------
     async def start(
@@ -306,7 +308,10 @@ class ExperienceBatcher:
                 group = self._preloaded[step][slot]
                 self.books[step]["samples/replayed"] += len(group or [])
             else:
-                group = await self._redraw(step, slot, await self._maker.find(step, slot, index))
+                group = await self._maker.find(step, slot, index)
+                group = await self.spares.redraw(
+                    self._maker, step, slot, group, self.books[step], self._redrawn[step]
+                )
             if group is None:
                 self.books[step]["samples/missing"] += n
                 if self.curriculum is not None:  # seen and never passed: drawn less
@@ -318,33 +323,10 @@ class ExperienceBatcher:
             async with self._progress:
                 self._progress.notify_all()
 
-    async def _redraw(
-        self, step: int, slot: int, group: list[ScoredSample] | None
-    ) -> list[ScoredSample] | None:
-        """Dynamic sampling: while `group` has equal rewards, up to `dynamic_sampling`
-        times, a group of a fresh prompt (one try each) takes its place (spares.py)."""
-        books = self.books[step]
-        for attempt in range(self.cfg.batcher.dynamic_sampling):
-            if group is None or any(s.advantage != 0.0 for s in group):
-                break
-            books["groups/redraws"] += 1
-            fresh = await self._maker.find(
-                step,
-                self.spares.redraw_slot(slot, attempt),
-                self.spares.redraw_index(step, slot, attempt),
-                attempts=1,
-            )
-            if fresh is None:  # a failed try, counted as its drop: the equal group stays
-                continue
-            books["dropped/redrawn"] += len(group)
-            self._redrawn[step].append(group)
-            group = fresh
-        return group
-
     async def _spare_group(self, step: int, j: int) -> list[ScoredSample] | None:
         """Spare group j of `step`: slot q + j, the spare order's draw step * m + j, one try."""
-        slot = self.cfg.batcher.questions_per_step + j
-        return await self._maker.find(step, slot, self.spares.index(step, j), attempts=1)
+        slot, index = self.cfg.batcher.questions_per_step + j, self.spares.index(step, j)
+        return await self._maker.find(step, slot, index, attempts=1)
 
     # -- emitting rounds --------------------------------------------------------------------
     async def _emit(self, start_step: int) -> None:
@@ -371,8 +353,8 @@ class ExperienceBatcher:
             if self._skip_zero and all(s.advantage == 0.0 for s in group):
                 set_aside.append(group)
                 continue
-            if self.parts > 1 or self.cfg.trainer.epochs > 1:
-                continue  # parts need the whole batch: nothing is streamed
+            if self._whole:
+                continue  # nothing is streamed
             buffer += group_units(group, budget, b.share_prompts)
             while (
                 bins := fill_round([self._tokens(u) for u in buffer], self.num_ranks, budget)
@@ -390,7 +372,7 @@ class ExperienceBatcher:
         )
         groups = [g for g in groups if all(g is not r for r in replaced)] + spares
         skipped = [s for g in set_aside if all(g is not r for r in replaced) for s in g]
-        if self.parts > 1 or self.cfg.trainer.epochs > 1:
+        if self._whole:
             trained = [g for g in groups if all(g is not a for a in set_aside)]
             passes, part_counts = await self._send_parts(step, trained)
         else:
@@ -411,28 +393,20 @@ class ExperienceBatcher:
     async def _send_parts(
         self, step: int, groups: list[list[ScoredSample]]
     ) -> tuple[int, list[tuple[int, int]]]:
-        """`trainer.mini_batches` parts of the step's trained groups, whole groups in slot
-        order (the same on a resumed run, whatever order they finished in), each packed
-        into its own rounds; the last round of a part is marked `last`. Returns the rounds
-        sent and each part's (loss tokens, samples)."""
+        """The step's trained groups in `trainer.mini_batches` parts (`rounds.plan_parts`:
+        whole groups in slot order, the same on a resumed run), each sent in rounds of its
+        own, its last round marked. Returns the rounds sent and each part's counts."""
         b = self.cfg.batcher
         slot_of = {id(g): k for k, g in self._groups[step].items() if g is not None}
         groups = sorted(groups, key=lambda g: slot_of[id(g)])
         passes, counts = 0, []
-        for m in range(self.parts):
-            part = groups[m * len(groups) // self.parts : (m + 1) * len(groups) // self.parts]
-            counts.append(self._loss_counts([s for g in part for s in g]))
-            units = [u for g in part for u in group_units(g, b.max_tokens_per_gpu, b.share_prompts)]
-            plan = plan_minibatches(
-                [self._tokens(u) for u in units], b.max_tokens_per_gpu, self.num_ranks
-            )
+        for m, (units, plan) in enumerate(
+            plan_parts(groups, self.parts, b.max_tokens_per_gpu, b.share_prompts, self.num_ranks)
+        ):
+            counts.append(report.loss_counts([s for u in units for s in u], self._masked))
             for k in range(len(plan[0])):
-                await self._send_round(
-                    step,
-                    [flat_units(units, plan[r][k]) for r in range(self.num_ranks)],
-                    last=k == len(plan[0]) - 1,
-                    part=m,
-                )
+                bins = [flat_units(units, plan[r][k]) for r in range(self.num_ranks)]
+                await self._send_round(step, bins, last=k == len(plan[0]) - 1, part=m)
                 passes += 1
         return passes, counts
 
@@ -454,14 +428,14 @@ class ExperienceBatcher:
         self.books[step]["samples/skipped"] += len(skipped)
         redrawn = self._redrawn.pop(step, [])
         stats = report.batch_stats(step, groups, time.monotonic() - t0, replaced + redrawn)
-        stats |= self._drain_counters(step)
+        stats |= report.drain_counters(self, step)
         stats |= await report.pool_counters(self._clients)
         stats["pool/generation/catch_up_requests"] = float(self.catch_ups)
         busy, spans = await self.clock.read(self._clients["generation"])
         stats |= busy
         spans += self.score_spans.pop(step, [])
-        tokens, count = self._loss_counts(samples)
-        skip_tokens, skip_count = self._loss_counts(skipped)
+        tokens, count = report.loss_counts(samples, self._masked)
+        skip_tokens, skip_count = report.loss_counts(skipped, self._masked)
         stats["skipped_samples"] = float(len(skipped))
         if self.cfg.batcher.spare_groups:
             stats["spare_groups_used"] = float(spares_used)
@@ -513,26 +487,3 @@ class ExperienceBatcher:
                 self.counters["packed_budget"] += self.cfg.batcher.max_tokens_per_gpu
                 mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens, last, part)
                 await self.channel.put(rank, mb, max(tokens, 1), timeout_s=3600)
-
-    def _loss_counts(self, samples: list[ScoredSample]) -> tuple[int, int]:
-        kept = [
-            s
-            for s in samples
-            if not (self.cfg.trainer.loss.mask_truncated and s.truncated) and s.loss_tokens
-        ]
-        return sum(s.loss_tokens for s in kept), len(kept)
-
-    def _drain_counters(self, step: int) -> dict[str, float]:
-        """The books and drops of `step` (every group of the step has reported by now) and
-        the run's packing efficiency so far."""
-        out = report.ledger(self.books.pop(step, {}))
-        failed, scored, reasons = self.score_failures.pop(step, [0, 0, []])
-        out["verifier/step_failures"], out["verifier/step_scored"] = float(failed), float(scored)
-        self.failure_reasons[step] = reasons
-        self.failure_reasons.pop(step - 16, None)  # bounded: the trainer asks within a step
-        self.group_causes[step] = report.failure_causes(self.group_failures.pop(step, {}))
-        self.group_causes.pop(step - 16, None)
-        budget = self.counters.get("packed_budget", 0.0)
-        if budget:
-            out["packing_efficiency"] = self.counters["packed_tokens"] / budget
-        return out

@@ -9,7 +9,7 @@ number of forward/backward passes.
 from __future__ import annotations
 
 from async_grpo.batcher.types import ScoredSample
-from async_grpo.core.packing import packed_length
+from async_grpo.core.packing import packed_length, packed_tokens, plan_minibatches
 
 FILL_TARGET = 0.95
 
@@ -68,3 +68,18 @@ def fill_round(
 def flat_units(units: list[list[ScoredSample]], picked: list[int]) -> list[ScoredSample]:
     """The samples of the picked units, each unit's samples kept together."""
     return [s for i in picked for s in units[i]]
+
+
+def plan_parts(
+    groups: list[list[ScoredSample]], parts: int, budget: int, share_prompts: bool, ranks: int
+) -> list[tuple[list[list[ScoredSample]], list[list[list[int]]]]]:
+    """`groups` (in the order given) cut into `parts` contiguous parts of whole groups, each
+    as its packing units and its own `plan_minibatches` over `ranks`: one optimizer update
+    per part (`trainer.mini_batches`)."""
+    out = []
+    for m in range(parts):
+        part = groups[m * len(groups) // parts : (m + 1) * len(groups) // parts]
+        units = [u for g in part for u in group_units(g, budget, share_prompts)]
+        lengths = [packed_tokens(u, share_prompts) for u in units]
+        out.append((units, plan_minibatches(lengths, budget, ranks)))
+    return out

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from async_grpo.batcher.types import ScoredSample
 from async_grpo.config import BatcherConfig
@@ -70,6 +71,35 @@ class Spares:
         of the redraws' order (after the spares' draws of the same order would collide)."""
         draw = (step * self.questions + slot) * self.redraws + attempt
         return self.redraw_sampler.index_at(draw)
+
+    async def redraw(
+        self,
+        maker: Any,
+        step: int,
+        slot: int,
+        group: Group | None,
+        books: dict[str, float],
+        redrawn: list[Group],
+    ) -> Group | None:
+        """Dynamic sampling: while `group` has equal rewards, up to `dynamic_sampling`
+        times, a group of a fresh prompt (one try each, from `maker`, a GroupMaker) takes
+        its place; each group replaced goes to `redrawn`."""
+        for attempt in range(self.redraws):
+            if group is None or any(s.advantage != 0.0 for s in group):
+                break
+            books["groups/redraws"] += 1
+            fresh = await maker.find(
+                step,
+                self.redraw_slot(slot, attempt),
+                self.redraw_index(step, slot, attempt),
+                attempts=1,
+            )
+            if fresh is None:  # a failed try, counted as its drop: the equal group stays
+                continue
+            books["dropped/redrawn"] += len(group)
+            redrawn.append(group)
+            group = fresh
+        return group
 
     def redraw_slot(self, slot: int, attempt: int) -> int:
         """The slot number a redraw's sampling seeds come from: past the spares' ones."""

@@ -48,6 +48,29 @@ def ledger(books: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def drain_counters(b: Any, step: int) -> dict[str, float]:
+    """The ExperienceBatcher `b`'s books and drops of `step` (every group of the step has
+    reported by now) and the run's packing efficiency so far; its failure reasons and
+    causes kept for the trainer to ask."""
+    out = ledger(b.books.pop(step, {}))
+    failed, scored, reasons = b.score_failures.pop(step, [0, 0, []])
+    out["verifier/step_failures"], out["verifier/step_scored"] = float(failed), float(scored)
+    b.failure_reasons[step] = reasons
+    b.failure_reasons.pop(step - 16, None)  # bounded: the trainer asks within a step
+    b.group_causes[step] = failure_causes(b.group_failures.pop(step, {}))
+    b.group_causes.pop(step - 16, None)
+    budget = b.counters.get("packed_budget", 0.0)
+    if budget:
+        out["packing_efficiency"] = b.counters["packed_tokens"] / budget
+    return out
+
+
+def loss_counts(samples: Sequence[ScoredSample], mask_truncated: bool) -> tuple[int, int]:
+    """(loss tokens, samples with a loss token) of `samples`: what normalises the loss."""
+    kept = [s for s in samples if not (mask_truncated and s.truncated) and s.loss_tokens]
+    return sum(s.loss_tokens for s in kept), len(kept)
+
+
 def batch_stats(
     step: int,
     groups: list[list[ScoredSample]],

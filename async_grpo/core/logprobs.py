@@ -27,8 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from async_grpo.core.model_parts import output_head
-from async_grpo.core.packing import PackedBatch, packed_hidden
+from async_grpo.core.attention import DenseAttention
+from async_grpo.core.model_parts import decoder, output_head
+from async_grpo.core.packing import PackedBatch
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,31 @@ class HeadTransform:
             t = z / (self.scale * self.softcap)  # tanh(logits / softcap)  [C, V]
             grad_z.mul_(1.0 - t * t)
         return grad_z.mul_(self.scale) if self.scale != 1.0 else grad_z
+
+
+def packed_forward(model: nn.Module, batch: PackedBatch, attention: Any = None) -> Tensor:
+    """Logits [T, V] of a Hugging Face causal LM on a packed row (see the module docstring).
+    `attention` is an `AttentionBackend` (core/attention); None: dense SDPA's rule."""
+    out = model(use_cache=False, **_model_inputs(model, batch, attention))
+    return out.logits[0]  # [T, V]
+
+
+def packed_hidden(model: nn.Module, batch: PackedBatch, attention: Any = None) -> Tensor:
+    """Last hidden states [T, H] (after the final norm) of the model's decoder (its LM head
+    left out, `model_parts.decoder`); pair with `logprobs_from_hidden` so full logits are
+    never built."""
+    out = decoder(model)(use_cache=False, **_model_inputs(model, batch, attention))
+    return out.last_hidden_state[0]  # [T, H]
+
+
+def _model_inputs(model: nn.Module, batch: PackedBatch, attention: Any) -> dict[str, Any]:
+    inputs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    if attention is None:
+        attention = DenseAttention()
+    mask = attention.mask(batch, next(model.parameters()).dtype, model.config)
+    if mask is not None:
+        inputs["attention_mask"] = mask
+    return inputs
 
 
 def head_transform(config: Any) -> HeadTransform:

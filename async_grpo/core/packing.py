@@ -13,10 +13,10 @@ Attention isolation: positions restart at 0 in each sample (`position_ids`), and
 dense path passes an explicit mask (`shared_prefix_mask`, windowed per layer type): some
 families (transformers 5.19, sdpa/eager) derive a block-diagonal mask from restarting
 positions when no KV cache is built, but not all of them (Falcon, GPT-OSS do not).
-`packed_forward` always passes `use_cache=False`. Other kernels (flash-attn varlen,
-flex_attention with a BlockMask) are attention backends (core/attention/) passed to
-`packed_forward`/`packed_hidden`; `pad_to` pads a row to a fixed length for kernels
-compiled per shape.
+`core/logprobs.packed_forward` always passes `use_cache=False`. Other kernels (flash-attn
+varlen, flex_attention with a BlockMask) are attention backends (core/attention/) passed to
+`packed_forward`/`packed_hidden` (core/logprobs.py, above the backends); `pad_to` pads a
+row to a fixed length for kernels compiled per shape.
 
 Shared prompts (`pack(..., share_prompts=True)`): consecutive samples with the same prompt
 (a GRPO group) carry that prompt once. The row holds the prompt minus its last token, then
@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 IGNORE_INDEX = -100
 
@@ -349,32 +349,3 @@ def shared_prefix_mask(batch: PackedBatch, window: int | None = None) -> Tensor:
         pos = batch.position_ids[0].to(group.device)  # [T]
         allowed &= (pos[:, None] - pos[None, :]) < window
     return allowed[None, None]  # [1, 1, T, T]
-
-
-def packed_forward(model: nn.Module, batch: PackedBatch, attention: Any = None) -> Tensor:
-    """Logits [T, V] of a Hugging Face causal LM on a packed row (see the module docstring).
-    `attention` is an `AttentionBackend` (core/attention); None: dense SDPA's rule."""
-    out = model(use_cache=False, **_model_inputs(model, batch, attention))
-    return out.logits[0]  # [T, V]
-
-
-def packed_hidden(model: nn.Module, batch: PackedBatch, attention: Any = None) -> Tensor:
-    """Last hidden states [T, H] (after the final norm) of the model's decoder (its LM head
-    left out, `model_parts.decoder`); pair with `logprobs_from_hidden` so full logits are
-    never built."""
-    from async_grpo.core.model_parts import decoder
-
-    out = decoder(model)(use_cache=False, **_model_inputs(model, batch, attention))
-    return out.last_hidden_state[0]  # [T, H]
-
-
-def _model_inputs(model: nn.Module, batch: PackedBatch, attention: Any) -> dict[str, Any]:
-    inputs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
-    if attention is None:
-        from async_grpo.core.attention import DenseAttention
-
-        attention = DenseAttention()
-    mask = attention.mask(batch, next(model.parameters()).dtype, model.config)
-    if mask is not None:
-        inputs["attention_mask"] = mask
-    return inputs

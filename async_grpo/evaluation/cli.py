@@ -76,8 +76,7 @@ def eval_model_dir(name: str) -> Path:
 
 def eval_config(args: argparse.Namespace) -> Any:
     """The run config with the command's flags written into its `eval` section."""
-    from async_grpo.config import load_config
-    from async_grpo.config_checks import validate
+    from async_grpo.config_checks import load_config, validate
 
     cfg = load_config(args.config, args.overrides)
     flags = {

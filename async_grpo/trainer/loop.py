@@ -31,6 +31,7 @@ from async_grpo.hooks import HookContext, Hooks
 from async_grpo.timeline import SpanLog
 from async_grpo.trainer.books import StepBooks, reduce_books
 from async_grpo.trainer.push import rank0_decides
+from async_grpo.trainer.updates import several_updates
 
 # the trainer's idle time in a step: waiting for samples, for generation before a push
 # (the fixed lag), and for an evaluation of the old version before a push
@@ -208,7 +209,7 @@ class Trainer:
                 if defer:  # the same on every rank: rounds and their `last` are
                     self.policy.set_requires_gradient_sync(item.last)
                     unreduced = not item.last
-                self._forward_backward(batch, acc["sums"])
+                self.forward_backward(batch, acc["sums"])
             tokens, samples = loss_counts(batch, mask_truncated)
             acc["counts"][0] += tokens
             acc["counts"][1] += samples
@@ -218,7 +219,7 @@ class Trainer:
             acc["time/forward_backward"] += time.perf_counter() - tf
             self.spans.add("train", wall, time.time())
 
-    def _forward_backward(self, batch: Any, sums: dict[str, float]) -> None:
+    def forward_backward(self, batch: Any, sums: dict[str, float]) -> None:
         """The loss of one minibatch (a plain sum, normalised at the update) backwards, its
         metric sums added to `sums`."""
         use_entropy = bool(self.cfg.trainer.loss.entropy_coef)
@@ -234,63 +235,6 @@ class Trainer:
                 sums[k] = max(sums.get(k, float("-inf")), float(v))
             else:
                 sums[k] += float(v)
-
-    def _updates(self, acc: dict[str, Any], eob: EndOfBatch) -> tuple[float, float]:
-        """Several optimizer updates on the batch: `trainer.epochs` passes over its parts
-        (`trainer.mini_batches`, whole groups each, as the batcher sent them), each part
-        normalised by its own global count plus its share of the skipped samples. The
-        ratio is against the policy before the first update (`old_logprobs`, taken as the
-        rounds came). Fills `acc["sums"]` over every update and the per-update figures;
-        returns the mean grad norm and the last lr."""
-        from async_grpo.core.loss import summarize_metrics
-
-        t = self.cfg.trainer
-        defer = t.defer_grad_sync and self.world > 1
-        parts: dict[int, list[Any]] = defaultdict(list)
-        for part, batch in acc.pop("kept"):
-            parts[part].append(batch)
-        index = 0 if self.loss_fn.aggregation_name == "token_mean" else 1
-        counted = [c[index] for c in eob.part_counts]
-        skipped = eob.skipped_tokens if index == 0 else eob.skipped_samples
-        norms, lr, clip, losses = [], 0.0, [], []
-        for _ in range(t.epochs):
-            for part in sorted(parts):
-                sums: dict[str, float] = defaultdict(float)
-                for k, batch in enumerate(parts[part]):
-                    if defer:  # reduce in the part's last backward, as every rank does
-                        self.policy.set_requires_gradient_sync(k == len(parts[part]) - 1)
-                    self._forward_backward(batch, sums)
-                own = counted[part]
-                if not own:  # no loss token in this part: nothing to update
-                    self.opt.zero_grad(set_to_none=True)
-                    continue
-                denom = own + skipped * own / max(sum(counted), 1)
-                norm, lr = self._optimize(denom)
-                norms.append(norm)
-                for key, v in sums.items():
-                    if key.endswith("_max"):
-                        acc["sums"][key] = max(acc["sums"].get(key, float("-inf")), v)
-                    else:
-                        acc["sums"][key] += v
-                reduced = self._reduced(sums)
-                losses.append(reduced.pop("loss_total") / denom)
-                summary = summarize_metrics(reduced)
-                clip.append(summary.get("clip_low_frac", 0.0) + summary.get("clip_high_frac", 0.0))
-        acc["update_figures"] = {
-            "updates": float(len(norms)),
-            "loss": sum(losses) / len(losses) if losses else 0.0,
-            "clip_fraction/first_update": clip[0] if clip else 0.0,
-            "clip_fraction/last_update": clip[-1] if clip else 0.0,
-        }
-        return (sum(norms) / len(norms) if norms else 0.0), lr
-
-    def _reduced(self, sums: dict[str, float]) -> dict[str, float]:
-        """One update's loss, token and clip counts summed over the ranks."""
-        keys = ["loss_total", "tokens", "clip_low_sum", "clip_high_sum"]
-        flat = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(flat)
-        return dict(zip(keys, flat.tolist(), strict=True))
 
     def _base_logprobs(self, batch: Any) -> torch.Tensor:
         """The reference log-probs under LoRA: the frozen base's, from the same policy with
@@ -338,11 +282,11 @@ class Trainer:
         fault_point("trainer.step")  # the fault suite's trainer crash: after fwd/bwd
         to, wall = time.perf_counter(), time.time()
         if self.updates_per_batch > 1:
-            grad_norm, lr = self._updates(acc, eob)
+            grad_norm, lr = several_updates(self, acc, eob)
             books = reduce_books(acc, eob, step, self.rank, self.loss_fn.aggregation_name)
         else:
             books = reduce_books(acc, eob, step, self.rank, self.loss_fn.aggregation_name)
-            grad_norm, lr = self._optimize(books.denom)
+            grad_norm, lr = self.optimize(books.denom)
         self.spans.add("train", wall, time.time())
         self.samples_seen += books.samples
         timings = {k: float(acc[k]) for k in ACCUMULATED_TIMINGS}
@@ -356,7 +300,7 @@ class Trainer:
         self._report(step, record, eob)
         return record
 
-    def _optimize(self, denom: int) -> tuple[float, float]:
+    def optimize(self, denom: int) -> tuple[float, float]:
         """Scale the summed gradients to the step's mean, clip, step; (grad norm, lr)."""
         from async_grpo.trainer.model import scale_grads
 

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from async_grpo.batcher.types import EndOfBatch
-from async_grpo.config import BatcherConfig, ConfigError, load_config
+from async_grpo.config import BatcherConfig, ConfigError
+from async_grpo.config_checks import load_config
 from async_grpo.data.curriculum import Curriculum
 
 

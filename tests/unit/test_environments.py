@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from async_grpo.config import ConfigError, EnvironmentConfig, load_config
+from async_grpo.config import ConfigError, EnvironmentConfig
+from async_grpo.config_checks import load_config
 from async_grpo.environments import Environment, StepResult, Task, environment, get_environment
 from async_grpo.environments.calculator import Calculator
 from async_grpo.environments.guess import GuessNumber

@@ -9,8 +9,8 @@ import pytest
 import torch
 from _tiny import tiny_llama
 
-from async_grpo.core.logprobs import batch_logprobs, logprobs_from_logits
-from async_grpo.core.packing import PackInput, pack, packed_forward, plan_minibatches
+from async_grpo.core.logprobs import batch_logprobs, logprobs_from_logits, packed_forward
+from async_grpo.core.packing import PackInput, pack, plan_minibatches
 
 
 def _sample(prompt, completion, adv=0.0, truncated=False, ref=True, old=False) -> PackInput:

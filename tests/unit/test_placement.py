@@ -62,7 +62,7 @@ def test_placements_refused_before_ray(tmp_path, overrides, words):
 
 
 def test_a_core_number_from_yaml_is_a_core_list():
-    from async_grpo.config import load_config
+    from async_grpo.config_checks import load_config
 
     cfg = load_config("configs/arithmetic.yaml", [f"generation.cpus={CORES[0]}"])
     assert cfg.generation.cpus == str(CORES[0])
