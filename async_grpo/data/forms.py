@@ -22,11 +22,12 @@ SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 def quiet_datasets() -> None:
-    """No progress bars or info logs from `datasets`: a refusal stays one line on stderr."""
+    """No progress bars or logs from `datasets` (it logs a file it cannot parse before it
+    raises; the raise becomes our one line): a refusal stays one line on stderr."""
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
 
 
 def open_rows(path: str | Path, split: str | None = None) -> Any:
@@ -125,6 +126,23 @@ def _first_bad_line(path: Path, json_lines: bool) -> DataError | None:
     except UserError as e:  # text that is not UTF-8, by line and byte
         return DataError(str(e))
     return None
+
+
+def not_utf8(where: str, source: Any, indices: list[int]) -> DataError:
+    """The first text that is not UTF-8 among rows `indices` of `source`: by line and byte
+    in a text file, else by row and column."""
+    path = Path(where)
+    if path.is_file() and path.suffix.lower() in (".jsonl", ".json", ".csv"):
+        found = _first_bad_line(path, False)
+        if found is not None:
+            return found
+    for i in indices:
+        for name in source.column_names:
+            try:
+                source.data.column(name)[i].as_py()
+            except UnicodeDecodeError as e:
+                return DataError(f"{where}:{i + 1}: column '{name}': not UTF-8 ({e.reason})")
+    return DataError(f"{where}: text that is not UTF-8 in rows {indices[0] + 1}-{indices[-1] + 1}")
 
 
 def write_parquet(path: str | Path, rows: list[dict[str, Any]]) -> int:

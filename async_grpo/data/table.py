@@ -136,6 +136,7 @@ def _write(source: Any, tokenizer: Any, spec: Any, out: Path) -> None:
     not at all: `datasets` writes a temporary file and renames it)."""
     from datasets import Features, List, Value
 
+    from async_grpo.data.forms import not_utf8
     from async_grpo.data.rows import encode, source_rows
 
     features = Features(
@@ -149,9 +150,17 @@ def _write(source: Any, tokenizer: Any, spec: Any, out: Path) -> None:
             "row": Value("int64"),
         }
     )
+
+    def prepared(batch: Any, indices: list[int]) -> dict[str, list]:
+        try:
+            rows = source_rows(batch, indices, spec)
+        except UnicodeDecodeError:  # Arrow holds the bytes as they were: name the row
+            raise not_utf8(spec.where, source, indices) from None
+        return encode(rows, tokenizer, spec)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     source.map(
-        lambda batch, indices: encode(source_rows(batch, indices, spec), tokenizer, spec),
+        prepared,
         batched=True,
         batch_size=BATCH_ROWS,
         with_indices=True,
