@@ -272,3 +272,45 @@ def test_the_data_command_writes_parquet_with_messages(tmp_path, tiny_model_dir)
     chat = _prepare(out, tiny_model_dir, prompt_key="messages")
     text = _prepare(tmp_path / "a.jsonl", tiny_model_dir)
     assert [p.to_json() for p in chat] == [p.to_json() for p in text]
+
+
+@pytest.mark.parametrize("curriculum", [False, True])
+def test_the_batcher_draws_from_a_table_as_from_a_list(tmp_path, tiny_model_dir, curriculum):
+    """The same step from a parquet table as from the list of the same prompts: the
+    sampler's and the curriculum's indices address both alike."""
+    import asyncio
+
+    from test_batcher import (
+        ScriptedGeneration,
+        ScriptedVerifier,
+        _cfg,
+        _drain,
+        _prompts,
+        sent_samples,
+    )
+
+    from async_grpo.batcher.batcher import ExperienceBatcher
+
+    prompts = _prompts()
+    rows = [
+        {"input": p.input, "answer": p.answer, "input_token_ids": p.input_token_ids}
+        for p in prompts
+    ]
+    table = _prepare(_write("parquet", tmp_path, rows), tiny_model_dir)
+    assert [p.to_json() for p in table] == [p.to_json() for p in prompts]
+    cfg = _cfg(curriculum=curriculum)
+
+    async def first_step(source):
+        b = ExperienceBatcher(cfg, source, num_ranks=2, clients={})
+        b._clients = {"generation": ScriptedGeneration(b), "verifier": ScriptedVerifier()}
+        await b.start(0)
+        await b.set_version(0)
+        per_rank = await asyncio.gather(_drain(b, 0), _drain(b, 1))
+        await b.stop()
+        return sent_samples(per_rank)
+
+    def run(source):
+        return asyncio.run(asyncio.wait_for(first_step(source), 60))
+
+    from_list = run(prompts)
+    assert len(from_list) == 16 and run(table) == from_list
