@@ -8,8 +8,9 @@ what `checked_before_ray` does with it: `prepare_prompts` (read by `datasets`, e
 checked and chat-templated, tokenized a batch at a time) up to a `PromptSampler` over the
 table and the first 64 prompts read. `cold` starts with an empty prepared-prompt cache (the
 first run on a file), `warm` reuses the file the cold start wrote (every later start,
-`--resume` included). Printed per start: seconds, and peak RSS above the process's RSS
-once the libraries are imported (MB). The last line names this CPU's kind.
+`--resume` included). Printed per start: seconds (wall), CPU seconds of the process (what a
+busy machine does not inflate), and peak RSS above the process's RSS once the libraries
+are imported (MB). The last line names this CPU's kind.
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ from async_grpo.data.tokenize import prepare_prompts
 import datasets
 from transformers import AutoTokenizer  # torch with it: imported before the baseline
 base = psutil.Process().memory_info().rss
+use = resource.getrusage(resource.RUSAGE_SELF)
+cpu0 = use.ru_utime + use.ru_stime
 t0 = time.perf_counter()
 table = prepare_prompts(sys.argv[1], sys.argv[2], 2048, "chat", DatasetConfig(prompt_key="messages"))
 sampler = PromptSampler(len(table), seed=0)
 first = [table[i] for i in sampler.take(64)]
 seconds = time.perf_counter() - t0
+use = resource.getrusage(resource.RUSAGE_SELF)
+cpu = use.ru_utime + use.ru_stime - cpu0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"prompts": len(table), "seconds": round(seconds, 2),
+print(json.dumps({"prompts": len(table), "seconds": round(seconds, 2), "cpu_s": round(cpu, 2),
                   "peak_rss_above_baseline_mb": round((peak - base) / 2**20, 1),
                   "ids_of_first": len(first[0].input_token_ids)}))
 """
