@@ -69,7 +69,14 @@ def _data(args: argparse.Namespace) -> int:
         rows = [p.to_json() for p in prompts]
     if getattr(args, "exclude", None):
         rows = held_out_rows(rows, args.exclude)
-    n = write_jsonl(args.out, rows)
+    if getattr(args, "messages", False):  # the prompt as a chat: one user message
+        rows = [{"messages": [{"role": "user", "content": r.pop("input")}], **r} for r in rows]
+    if Path(args.out).suffix == ".parquet":
+        from async_grpo.data.forms import write_parquet
+
+        n = write_parquet(args.out, rows)
+    else:
+        n = write_jsonl(args.out, rows)
     print(f"wrote {n} rows to {args.out}")
     return 0
 
@@ -205,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="convert again even if present")
     p.set_defaults(func=_prepare_model)
 
-    p = sub.add_parser("data", help="generate, check or tokenize prompt JSONL files")
+    p = sub.add_parser("data", help="generate (JSONL or parquet), check or tokenize prompt files")
     dsub = p.add_subparsers(dest="data_cmd", required=True, metavar="DATA_COMMAND")
     d = dsub.add_parser("countdown", help="seeded Countdown problems (3 to 4 numbers)")
     d.add_argument("-n", type=int, default=1000)
@@ -247,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
             nargs="+",
             metavar="FILE",
             help="drop prompts found in these files, and repeats (a held-out set)",
+        )
+        dsub.choices[gen].add_argument(
+            "--messages",
+            action="store_true",
+            help="the prompt as a `messages` column (a list with one user message), read"
+            " with dataset.prompt_key=messages; -o x.parquet writes parquet (docs/data.md)",
         )
     d = dsub.add_parser("check", help="validate a prompt JSONL file")
     d.add_argument("input")

@@ -216,7 +216,12 @@ class EvalConfig:
     """Held-out evaluation during a run (async_grpo/evaluation): the generation pool at the
     version just pushed, scored by the verifier pool. Off while `data` is None."""
 
-    data: str | None = None  # JSONL of held-out prompts (none may be a training prompt)
+    data: str | None = (
+        None  # held-out prompts, any form `data` takes (none may be a training prompt)
+    )
+    split: str | None = (
+        None  # the split of eval.data (same columns as `dataset` says); None: dataset.split
+    )
     every: int = 10  # evaluate every this many policy versions (a multiple of push_every)
     at_start: bool = True  # also the starting weights (version 0, or the resumed one)
     max_questions: int | None = None  # the first N prompts of the file; None: all of them
@@ -229,6 +234,19 @@ class EvalConfig:
     max_concurrent_seqs: int = 32  # eval sequences in flight at once, over the whole pool
     timeout_s: float = 600.0  # one evaluation, all of it; the next push waits for it
     seed: int = 0  # sampling seeds per question (the same at every version)
+
+
+@dataclass
+class DatasetConfig:
+    """How the rows of `data` and `eval.data` become prompts (async_grpo/data/, docs/data.md):
+    any file form the `datasets` library reads, its columns mapped by name or by a function."""
+
+    split: str | None = None  # of a dataset with several splits; None: the only one, else train
+    prompt_key: str = "input"  # the prompt's column: a string, or a list of {role, content}
+    answer_key: str = "answer"  # the ground truth's column, handed to the rewards
+    map: str | None = None  # `module:function`: a row in, {prompt, answer, metadata?} out
+    system_prompt: str | None = None  # a system message before each prompt (chat only)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
 
 
 @dataclass
@@ -262,6 +280,7 @@ class RunConfig:
     # chat: each prompt is a user turn in the model's chat template; plain: the text as
     # it is (base models, R1-Zero-style prompts)
     prompt_format: Literal["chat", "plain"] = "chat"
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # columns, split, chat settings
     output_dir: str = "outputs/run"
     ray_address: str | None = None  # None: start a local Ray instance
     sample_every: int = 0  # every k steps, a few training samples to output_dir/samples.jsonl
@@ -276,6 +295,11 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     hooks: list[HookSpec] = field(default_factory=list)  # user hooks: [{path: mod:Class, args: {}}]
+
+    @property
+    def eval_dataset(self) -> DatasetConfig:
+        """How `eval.data` is read: the `dataset` settings, with `eval.split` when set."""
+        return dataclasses.replace(self.dataset, split=self.eval.split or self.dataset.split)
 
     @property
     def reference(self) -> ReferenceSource:

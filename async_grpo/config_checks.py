@@ -105,9 +105,31 @@ def validate(cfg: RunConfig) -> None:
     validate_devices(cfg)
     validate_environment(cfg)
     validate_eval(cfg)
+    validate_dataset(cfg)
     validate_loss(cfg)
     validate_lora(cfg)
     validate_placement(cfg)
+
+
+def validate_dataset(cfg: RunConfig) -> None:
+    """Settings that only a chat template reads need prompt_format: chat; a map is a
+    `module:function` name (imported when the rows are read, data/rows.py)."""
+    d = cfg.dataset
+    if cfg.prompt_format == "plain":
+        for key, value in (
+            ("system_prompt", d.system_prompt),
+            ("chat_template_kwargs", d.chat_template_kwargs),
+        ):
+            if value:
+                raise ConfigError(
+                    f"dataset.{key}: set, but prompt_format: plain uses no chat template"
+                    " (the prompt is the text as it is); drop it or use prompt_format: chat"
+                )
+    if d.map is not None and d.map.count(":") != 1:
+        raise ConfigError(f"dataset.map: expected module:function, got {d.map!r}")
+    for key in ("prompt_key", "answer_key"):
+        if not getattr(d, key):
+            raise ConfigError(f"dataset.{key}: must name a column, got an empty string")
 
 
 def validate_generation(cfg: RunConfig) -> None:

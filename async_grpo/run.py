@@ -408,7 +408,9 @@ def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
         check_disjoint(validate_placement(cfg))
     model_dir = str(resolve_model(cfg.model))
     preflight(cfg, model_dir, resume)
-    prepare_prompts(cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format)
+    prepare_prompts(
+        cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
+    )
     if cfg.eval.data:
         from async_grpo.evaluation.hook import held_out_prompts
 

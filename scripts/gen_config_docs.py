@@ -48,11 +48,13 @@ DESCRIPTIONS: dict[str, str] = {
     " picks shared memory (same node, CPU), CUDA IPC (same GPU) or the broadcast group"
     " (elsewhere), per worker; `broadcast`, `shm`, `cuda_ipc` force one (an error where the"
     " placement cannot use it). See [weight-sync.md](weight-sync.md)",
-    "data": "prompt JSONL file (`input`, `answer`, optional `input_token_ids`); prompts"
-    " without token ids are tokenized at start-up as `prompt_format` says",
-    "prompt_format": "`chat`: each prompt is a user turn in the model's chat template (a"
-    " model without one is refused at start-up); `plain`: the text as it is, for base"
-    " models (R1-Zero-style prompts)",
+    "data": "the prompts: a JSONL, JSON, Parquet or CSV file, a folder of parquet shards, or"
+    " a folder written by `Dataset.save_to_disk`, read by the `datasets` library (columns"
+    " as `dataset` says; [data.md](data.md)); prompts without token ids are tokenized at"
+    " start-up as `prompt_format` says",
+    "prompt_format": "`chat`: each prompt is a user turn (or its list of messages) in the"
+    " model's chat template (a model without one is refused at start-up); `plain`: the text"
+    " as it is, for base models (R1-Zero-style prompts); message prompts are refused",
     "output_dir": "where `training_params.json`, `training_metrics.jsonl` and"
     " `checkpoints/` go; `--resume` looks here",
     "generation.num_workers": "vLLM engines that `async-grpo run` starts"

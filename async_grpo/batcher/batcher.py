@@ -47,6 +47,7 @@ from async_grpo.config import RunConfig
 from async_grpo.core.packing import packed_tokens, plan_minibatches
 from async_grpo.data import Prompt, PromptSampler
 from async_grpo.data.curriculum import Curriculum
+from async_grpo.data.table import PromptTable
 
 
 class ExperienceBatcher:
@@ -55,7 +56,7 @@ class ExperienceBatcher:
     def __init__(
         self,
         cfg: RunConfig,
-        prompts: list[Prompt],
+        prompts: list[Prompt] | PromptTable,
         num_ranks: int,
         clients: dict[str, Any] | None = None,
         turns: Any = None,
@@ -65,7 +66,7 @@ class ExperienceBatcher:
         from async_grpo.logs import to_file
 
         to_file()  # a quiet run: this actor's output to OUTPUT_DIR/logs/batcher.log
-        if any(p.input_token_ids is None for p in prompts):
+        if not isinstance(prompts, PromptTable) and any(p.input_token_ids is None for p in prompts):
             raise ValueError("ExperienceBatcher needs tokenized prompts (input_token_ids)")
         self.cfg, self.prompts, self.num_ranks = cfg, prompts, num_ranks
         self.sampler = PromptSampler(len(prompts), cfg.batcher.seed)

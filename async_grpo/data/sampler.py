@@ -17,6 +17,7 @@ class PromptSampler:
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
+        self._other: tuple[int, list[int]] = (-1, [])  # index_at's epoch other than `epoch`
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(self.num_prompts))
@@ -36,8 +37,11 @@ class PromptSampler:
         """The prompt index of global draw number `draw` (0-based), without moving the
         sampler: draw k is position k % n of epoch k // n. Stateless, so exact to resume."""
         epoch, position = divmod(draw, self.num_prompts)
-        order = self._order if epoch == self.epoch else self._permutation(epoch)
-        return order[position]
+        if epoch == self.epoch:
+            return self._order[position]
+        if self._other[0] != epoch:  # one permutation kept: draws come epoch by epoch
+            self._other = (epoch, self._permutation(epoch))
+        return self._other[1][position]
 
     def take(self, k: int) -> list[int]:
         return [self.next() for _ in range(k)]

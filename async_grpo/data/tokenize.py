@@ -4,9 +4,14 @@ template (`prompt_format: chat`), or as plain text (`plain`, for base models).""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from async_grpo.data.jsonl import Prompt
 from async_grpo.errors import UserError
+
+if TYPE_CHECKING:
+    from async_grpo.config import DatasetConfig
+    from async_grpo.data.table import PromptTable
 
 
 def chat_token_ids(tokenizer, text: str) -> list[int]:
@@ -42,20 +47,15 @@ def tokenize_prompts(prompts: list[Prompt], model_dir: Path, format: str = "chat
 
 
 def prepare_prompts(
-    data_path: str | Path, model_dir: Path, max_model_len: int, format: str = "chat"
-) -> list[Prompt]:
-    """Load, tokenize where needed (`format`: chat or plain), and refuse prompts that
-    leave no room to generate."""
-    from async_grpo.data.jsonl import DataError, load_prompts
+    data_path: str | Path,
+    model_dir: str | Path,
+    max_model_len: int,
+    format: str = "chat",
+    dataset: DatasetConfig | None = None,
+) -> PromptTable:
+    """Read `data_path` in any form the `datasets` library reads, check every row, tokenize
+    where needed (`format`: chat or plain) and refuse prompts that leave no room to
+    generate: a memory-mapped `PromptTable` (data/table.py)."""
+    from async_grpo.data.table import prepare_table
 
-    prompts = load_prompts(data_path)
-    missing = [p for p in prompts if p.input_token_ids is None]
-    if missing:
-        tokenize_prompts(missing, model_dir, format)
-    for p in prompts:
-        if len(p.input_token_ids) >= max_model_len:
-            raise DataError(
-                f"{data_path}:{p.line}: field 'input': {len(p.input_token_ids)} prompt tokens"
-                f" leave no room to generate in generation.max_model_len={max_model_len}"
-            )
-    return prompts
+    return prepare_table(data_path, model_dir, max_model_len, format, dataset)

@@ -108,7 +108,9 @@ def run_eval(args: argparse.Namespace) -> int:
     cfg = eval_config(args)
     model_dir = eval_model_dir(args.model)
     e = cfg.eval
-    prompts = prepare_prompts(e.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format)
+    prompts = prepare_prompts(
+        e.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, cfg.eval_dataset
+    )
     prompts = prompts[: e.max_questions] if e.max_questions else prompts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -107,7 +107,7 @@ def setup_batcher(
     name = f"batcher:{os.path.abspath(cfg.output_dir)}"
     if rank == 0:
         prompts = prepare_prompts(
-            cfg.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format
+            cfg.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
         )
         actor = ray.remote(ExperienceBatcher).options(
             name=name,

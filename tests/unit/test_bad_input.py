@@ -2,6 +2,7 @@
 starts, with exit code 2 and one line naming what, where and what was expected."""
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -262,3 +263,90 @@ def test_a_resume_with_other_lora_settings(tmp_path, saved, overrides, words):
         timeout=120,
     )
     _refused(r, "--resume", str(step), *words)
+
+
+# Bad rows in the forms the `datasets` library reads (docs/data.md): each a real file, read
+# by the real command, refused before Ray in one line naming the file, the row and the column
+def _parquet(path, rows):
+    from datasets import Dataset
+
+    Dataset.from_list(rows).to_parquet(str(path))
+
+
+BAD_ROWS = [
+    (
+        "d.parquet",
+        [{"question": "1 + 1", "answer": "2"}],
+        [],
+        ["d.parquet:1: column 'input': missing (dataset.prompt_key", "question"],
+    ),
+    ("d.parquet", [{"input": 7, "answer": "2"}], [], [":1: column 'input': expected a string"]),
+    ("d.csv", b"input,answer\n1 + 1,2\n  ,3\n", [], ["d.csv:2: column 'input': empty prompt"]),
+    ("d.csv", b"input,answer\n1 + 1,2\ncaf\xe9,3\n", [], ["d.csv:3: not UTF-8: byte 0xe9"]),
+    (
+        "d.jsonl",
+        b'{"input": "a", "answer": 1}\n{"input": {"text": "b"}, "answer": {"x": [1]}}\n',
+        [],
+        ["d.jsonl:2: column 'input': expected a string or a list of {role, content}", "dict"],
+    ),
+    (
+        "d.parquet",
+        [{"m": [{"role": "system", "content": "Add."}], "answer": "2"}],
+        ["dataset.prompt_key=m"],
+        ["d.parquet:1: column 'm': no user turn"],
+    ),
+    (
+        "d.parquet",
+        [{"m": [{"role": "user", "content": "1 + 1"}], "answer": "2"}],
+        ["dataset.prompt_key=m", "prompt_format=plain", "eval.data=null"],
+        ["d.parquet:1: column 'm': a list of messages needs prompt_format: chat"],
+    ),
+    (
+        "d.parquet",
+        [{"input": "1 + 1", "answer": "2"}, {"input": "word " * 2000, "answer": "2"}],
+        [],
+        ["d.parquet:2: column 'input':", "prompt tokens leave no room"],
+    ),
+    (
+        "d.parquet",
+        [{"input": "1 + 1", "answer": "2"}, {"input": "2 + 2", "answer": "oops"}],
+        ["dataset.map=bad_map:answer_as_int"],
+        ["d.parquet:2: dataset.map bad_map:answer_as_int failed: ValueError"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name, content, overrides, words",
+    BAD_ROWS,
+    ids=[
+        "missing-column",
+        "wrong-type",
+        "empty-prompt",
+        "csv-bad-bytes",
+        "json-odd-types",
+        "no-user-turn",
+        "messages-plain",
+        "too-long",
+        "map-error",
+    ],
+)
+def test_bad_rows_in_any_form(tmp_path, name, content, overrides, words):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        _parquet(path, content)
+    (tmp_path / "bad_map.py").write_text(
+        "def answer_as_int(row):\n    return {'prompt': row['input'], 'answer': int(row['answer'])}\n"
+    )
+    cmd = run_command(
+        "arithmetic.yaml", f"output_dir={tmp_path / 'out'}", f"data={path}", *overrides
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    _refused(r, str(tmp_path), *words)
+
+
+def test_a_hub_name_with_no_local_copy(tmp_path):
+    _refused(_run(tmp_path, "data=openai/gsm8k"), "openai/gsm8k", "no hub access", "local")

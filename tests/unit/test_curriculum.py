@@ -109,3 +109,26 @@ def test_the_batcher_draws_by_mastery_and_reports_it(fail):
     assert sum(b.curriculum._results[0][i][2] for i in range(4)) == 16  # 4 groups of 4
     assert {r[0] for r in b.curriculum._results[0]} == set(b.curriculum.draw(0, 4))
     assert sum(r[1] == 0 and r[2] == 4 for r in b.curriculum._results[0]) >= fail
+
+
+def test_draws_are_those_of_random_choices_to_the_bit():
+    """The numpy draw picks exactly what `rng.choices(range(n), weights)` over the Python
+    weights picked (the draws a run resumed from an older checkpoint expects)."""
+    import random
+
+    rng = random.Random(5)
+    for n, k in [(1, 2), (7, 14), (50, 12), (3000, 64)]:
+        cur = Curriculum(n, seed=n, lag=0, floor=0.05)
+        for i in range(n):
+            cur.samples[i] = rng.choice([0, 0, 1, 8, 16, 100])
+            cur.passes[i] = rng.randint(0, cur.samples[i])
+        cur.folded_through = 10**9  # nothing left to fold
+        want, draws = [], random.Random(f"{n}:curriculum:3")
+        weights = [cur.weight(i) for i in range(n)]
+        for _ in range(k):
+            if len(want) == n:
+                weights = [cur.weight(i) for i in range(n)]
+            i = draws.choices(range(n), weights)[0]
+            want.append(i)
+            weights[i] = 0.0
+        assert cur.draw(3, k) == want

@@ -218,7 +218,7 @@ def test_eval_data_that_overlaps_training_is_refused(tmp_path, tiny_model_dir):
     cfg = load_config(
         None, [f"data={tmp_path / 'train.jsonl'}", f"eval.data={tmp_path / 'eval.jsonl'}"]
     )
-    with pytest.raises(ConfigError, match="1 of its 2 prompts are also training prompts.*line 2"):
+    with pytest.raises(ConfigError, match="1 of its 2 prompts are also training prompts.*row 2"):
         held_out_prompts(cfg, str(tiny_model_dir))
     _write(tmp_path / "eval.jsonl", ["what is 3+3?", "what is 4+4?", "what is 5+5?"])
     cfg.eval.max_questions = 2
