@@ -43,7 +43,7 @@ from async_grpo.inference.worker_base import RegisteredWorker
 from async_grpo.shm_files import new_entry
 
 ENGINE_WATCH_S = 0.5  # how often a worker checks that its engine core still runs
-RECEIVE_MARGIN_S = 60.0  # a push watchdog outlasts the broadcast group's receive timeout by this
+RECEIVE_MARGIN_S = 60.0  # a push watchdog outlasts the broadcast group's receive timeout
 
 
 class GenerationWorker(RegisteredWorker):
@@ -355,14 +355,14 @@ class GenerationWorker(RegisteredWorker):
 
     async def _abandon_after(self, version: int, timeout_s: float) -> None:
         """The trainer vanished mid-push: the weights are half loaded, so this worker ends
-        (a replacement loads the newest checkpoint). It waits `RECEIVE_MARGIN_S` past the
-        push's timeout: a broadcast receive that a broken group left blocked fails at the
-        group's own timeout (the same `timeout_s`, counted from a later start), and the
-        worker must still be there to take the push sent again."""
-        await asyncio.sleep(timeout_s + RECEIVE_MARGIN_S)
+        (a replacement loads the newest checkpoint). It waits `RECEIVE_MARGIN_S` (at most
+        the timeout again) past the push's timeout: a broadcast receive that a broken group
+        left blocked fails at the group's own timeout (the same `timeout_s`, counted from a
+        later start), and the worker must still be there to take the push sent again."""
+        wait_s = timeout_s + min(RECEIVE_MARGIN_S, timeout_s)
+        await asyncio.sleep(wait_s)
         self._exit(
-            f"push of version {version}: no chunk within {timeout_s + RECEIVE_MARGIN_S:.0f}s;"
-            " the weights are incomplete"
+            f"push of version {version}: no chunk within {wait_s:.0f}s; the weights are incomplete"
         )
 
     async def _watch_engine(self) -> None:
