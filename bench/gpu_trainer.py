@@ -161,11 +161,11 @@ def profile_step(step, sync, trace: str | None) -> dict:
 
 def one_figure(
     args, name: str, folder: str, rows: int, attention: str, share: bool, ac: bool | None,
-    kernels: str = "eager",
+    kernels: str = "eager", lora: int = 0,
 ) -> dict:  # fmt: skip
     import torch
 
-    from async_grpo.config import LossConfig, TrainerConfig
+    from async_grpo.config import LoraConfig, LossConfig, TrainerConfig
     from async_grpo.core.attention import select_attention
     from async_grpo.core.loss import build_loss
     from async_grpo.core.packing import pack
@@ -180,11 +180,12 @@ def one_figure(
         attention=attention,
         logprob_chunk_size=args.chunk,
         kernels=kernels,
+        lora=LoraConfig(rank=lora),
     )
     t_build = time.perf_counter()
     policy = build_policy(folder, cfg, device, 1, backend)
     build_s = time.perf_counter() - t_build
-    print(f"# {name} {rows} {attention} {kernels}: policy built in {build_s:.1f} s",
+    print(f"# {name} {rows} {attention} {kernels} lora {lora}: policy built in {build_s:.1f} s",
           file=sys.stderr, flush=True)  # fmt: skip
     opt, _ = build_optimizer(policy, cfg)
     loss_fn = build_loss(LossConfig(), 512)
@@ -243,6 +244,8 @@ def one_figure(
         else None,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu_name(),
         "kernels": kernels,
+        "lora_rank": lora,
+        "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
         "build_s": round(build_s, 2),
         "first_step": first,
     }
@@ -251,6 +254,7 @@ def one_figure(
         trace = None
         if args.trace_dir:
             tag = f"{name}-{tokens}-{backend.name}-{'shared' if share else 'unshared'}-{kernels}"
+            tag += f"-lora{lora}" if lora else ""
             trace = os.path.join(args.trace_dir, f"trace-{tag}.json")
         fig["profile"] = profile_step(step, sync, trace)
     return fig
@@ -275,6 +279,7 @@ def main() -> None:
     ap.add_argument("--ac", default="auto", help="activation checkpointing: auto,true,false")
     ap.add_argument("--chunk", type=int, default=1024, help="trainer.logprob_chunk_size")
     ap.add_argument("--kernels", default="eager", help="trainer.kernels: eager,liger,compile")
+    ap.add_argument("--lora", default="0", help="trainer.lora.rank: 0 (every weight),16,...")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2, help="steps before timing (>= 1)")
     ap.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
@@ -297,14 +302,15 @@ def main() -> None:
             folder = model_folder(name, root, args.device)
             for rows in map(int, args.rows.split(",")):
                 for attention in args.attention.split(","):
-                    for share, ac, kernels in itertools.product(
+                    for share, ac, kernels, lora in itertools.product(
                         [s == "true" for s in args.share.split(",")],
                         [None if a == "auto" else a == "true" for a in args.ac.split(",")],
                         args.kernels.split(","),
+                        map(int, args.lora.split(",")),
                     ):
                         try:
                             fig = one_figure(
-                                args, name, folder, rows, attention, share, ac, kernels
+                                args, name, folder, rows, attention, share, ac, kernels, lora
                             )
                         except ValueError as e:  # a backend that cannot run here
                             fig = {"model": name, "row_tokens": rows, "attention": attention,

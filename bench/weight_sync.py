@@ -227,17 +227,16 @@ def ipc_push(conn, slots, metas, weights, chunks) -> None:  # noqa: ANN001
         assert conn.recv() == "loaded"
 
 
-def gpu_figure(pushes: int) -> None:
+def ipc_round_trip(metas, weights, chunks, pushes: int) -> tuple[dict[str, str], list[float]]:  # noqa: ANN001
+    """`pushes` pushes of `weights` (in `chunks`) into a fresh process by CUDA IPC: the
+    digests of what it holds after the last one, and each push's seconds."""
     import multiprocessing as mp
 
     import torch
 
-    from async_grpo.transports.base import TensorMeta, plan_chunks, slot_bytes
+    from async_grpo.transports.base import slot_bytes
     from async_grpo.transports.cuda_ipc import CudaSlots
 
-    metas = [TensorMeta(n, s, "bfloat16") for n, s in _qwen15b_shapes()]
-    weights = [torch.randn(m.shape, device="cuda").to(torch.bfloat16) for m in metas]
-    chunks = plan_chunks(metas)
     slots = CudaSlots(slot_bytes(metas, chunks))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -245,14 +244,29 @@ def gpu_figure(pushes: int) -> None:
     proc.start()
     parent.send((slots.worker_info(), metas))
     times = []
-    for _ in range(pushes + 1):
+    for _ in range(pushes):  # the slots reused by each next push
         torch.cuda.synchronize()
         t = time.perf_counter()
         ipc_push(parent, slots, metas, weights, chunks)
         times.append(time.perf_counter() - t)
     parent.send(None)
+    if not parent.poll(120):
+        raise TimeoutError("the receiving process sent no digests within 120 s")
     got = parent.recv()
     proc.join(timeout=120)
+    if proc.exitcode != 0:
+        raise RuntimeError(f"the receiving process ended with exit code {proc.exitcode}")
+    return got, times
+
+
+def gpu_figure(pushes: int) -> None:
+    import torch
+
+    from async_grpo.transports.base import TensorMeta, plan_chunks
+
+    metas = [TensorMeta(n, s, "bfloat16") for n, s in _qwen15b_shapes()]
+    weights = [torch.randn(m.shape, device="cuda").to(torch.bfloat16) for m in metas]
+    got, times = ipc_round_trip(metas, weights, plan_chunks(metas), pushes + 1)
     assert all(got[m.name] == digest(w) for m, w in zip(metas, weights, strict=True))
     nbytes = sum(m.nbytes for m in metas)
     raw = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

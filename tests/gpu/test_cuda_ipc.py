@@ -9,7 +9,6 @@ it was read. The two ends are the ones `bench/weight_sync.py --gpu` times.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sys
 from pathlib import Path
 
@@ -22,10 +21,9 @@ pytestmark = pytest.mark.gpu
 
 
 def test_chunks_cross_processes_on_one_gpu_bit_exact():
-    from weight_sync import digest, ipc_push, ipc_receiver
+    from weight_sync import digest, ipc_round_trip
 
-    from async_grpo.transports.base import TensorMeta, plan_chunks, slot_bytes
-    from async_grpo.transports.cuda_ipc import CudaSlots
+    from async_grpo.transports.base import TensorMeta, plan_chunks
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [("model.embed_tokens.weight", (1000, 64))]
@@ -35,17 +33,6 @@ def test_chunks_cross_processes_on_one_gpu_bit_exact():
     weights = [torch.randn(m.shape, device="cuda", generator=gen).to(torch.bfloat16) for m in metas]
     chunks = plan_chunks(metas, limit=40_000)  # several chunks: both slots reused
     assert len(chunks) > 3
-    slots = CudaSlots(slot_bytes(metas, chunks))
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=ipc_receiver, args=(child,))
-    proc.start()
-    parent.send((slots.worker_info(), metas))
-    for _ in range(2):  # slots reused across pushes
-        ipc_push(parent, slots, metas, weights, chunks)
-    parent.send(None)
-    got = parent.recv()
-    proc.join(timeout=60)
-    assert proc.exitcode == 0
+    got, _ = ipc_round_trip(metas, weights, chunks, pushes=2)  # slots reused across pushes
     for m, w in zip(metas, weights, strict=True):
         assert got[m.name] == digest(w), m.name
