@@ -48,13 +48,19 @@ def mean(rows: list[dict], key: str) -> float:
     return round(sum(values) / len(values), 4) if values else 0.0
 
 
-def time_to(train: list[dict], target: float, window: int) -> float | None:
-    """Elapsed seconds at the first step whose last `window` steps' mean reward >= target."""
+def steps_to(train: list[dict], target: float, window: int) -> int | None:
+    """The first step (counted from 1) whose last `window` steps' mean reward >= target."""
     rewards = [r["reward/mean"] for r in train]
     for i in range(window - 1, len(train)):
         if sum(rewards[i - window + 1 : i + 1]) / window >= target:
-            return round(train[i]["time/elapsed"], 1)
+            return i + 1
     return None
+
+
+def time_to(train: list[dict], target: float, window: int) -> float | None:
+    """Elapsed seconds at the first step whose last `window` steps' mean reward >= target."""
+    step = steps_to(train, target, window)
+    return None if step is None else round(train[step - 1]["time/elapsed"], 1)
 
 
 def thirds(train: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:

@@ -21,7 +21,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from _runs import mean, run, time_to
+from _runs import mean, run, steps_to, time_to
 
 SETTINGS: dict[str, list[str]] = {  # name -> overrides of the config
     "behaviour": ["trainer.loss.proximal=behaviour"],
@@ -49,7 +49,9 @@ SETTINGS: dict[str, list[str]] = {  # name -> overrides of the config
     "m2": ["trainer.mini_batches=2"],
     "m4": ["trainer.mini_batches=4"],
     "e2": ["trainer.epochs=2"],
+    "dapo": [],  # configs/dapo-arithmetic.yaml as it is (CONFIGS)
 }
+CONFIGS = {"dapo": "configs/dapo-arithmetic.yaml"}  # settings with a config of their own
 EVAL_AT_END = ["eval.every=40", "eval.at_start=false", "sample_every=0"]
 
 
@@ -58,6 +60,7 @@ def one_run(config: str, setting: str, seed: int, steps: int, out: Path) -> dict
     from async_grpo.precision import cpu_kind
 
     overrides = [*SETTINGS[setting], f"batcher.seed={seed}", *EVAL_AT_END]
+    config = CONFIGS.get(setting, config)
     wall, rows = run(config, steps, out / f"{setting}-seed{seed}", *overrides)
     train = [r for r in rows if "loss" in r]
     heldout = [r for r in rows if "eval/pass_at_1" in r]
@@ -70,6 +73,7 @@ def one_run(config: str, setting: str, seed: int, steps: int, out: Path) -> dict
         "steps": len(train),
         "wall_s": round(wall, 1),
         "time_to_0.8_s": time_to(train, 0.8, window=4),
+        "steps_to_0.8": steps_to(train, 0.8, window=4),
         "reward_1_2": mean(train[:2], "reward/mean"),
         "reward_9_12": mean(train[8:12], "reward/mean"),
         "reward_31_40": mean(train[30:40], "reward/mean"),
@@ -87,22 +91,22 @@ def one_run(config: str, setting: str, seed: int, steps: int, out: Path) -> dict
 def table(results: list[dict]) -> str:
     """A Markdown table: one row per setting (mean over its seeds), the seeds' values in
     brackets."""
-    cols = ["time_to_0.8_s", "reward_31_40", "heldout_40", "clip_frac", "masked_frac", "wall_s"]
+    cols = ["time_to_0.8_s", "steps_to_0.8", "reward_31_40", "heldout_40", "clip_frac", "masked_frac", "wall_s"]
     lines = [
-        "| setting | seeds | " + " | ".join(cols) + " |",
-        "|---" * (len(cols) + 2) + "|",
+        "| setting | CPU | seeds | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 3) + "|",
     ]
-    for setting in dict.fromkeys(r["setting"] for r in results):
-        runs = [r for r in results if r["setting"] == setting]
+    for setting, cpu in dict.fromkeys((r["setting"], r["cpu"]) for r in results):
+        runs = [r for r in results if (r["setting"], r["cpu"]) == (setting, cpu)]
         cells = []
         for c in cols:
-            values = [r[c] for r in runs]
+            values = [r.get(c) for r in runs]
             known = [v for v in values if v is not None]
             avg = f"{statistics.mean(known):.4g}" if known else "-"
             each = ", ".join("-" if v is None else f"{v:.4g}" for v in values)
             cells.append(f"{avg} ({each})" if len(values) > 1 else avg)
         seeds = ",".join(str(r["seed"]) for r in runs)
-        lines.append(f"| {setting} | {seeds} | " + " | ".join(cells) + " |")
+        lines.append(f"| {setting} | {cpu} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -119,7 +123,9 @@ def main() -> None:
     path = Path(args.results)
     results = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     if not args.table:
-        done = {(r["setting"], r["seed"]) for r in results}
+        from async_grpo.precision import cpu_kind
+
+        done = {(r["setting"], r["seed"]) for r in results if r["cpu"] == cpu_kind()}
         for seed in [int(s) for s in args.seeds.split(",")]:
             for setting in args.settings.split(","):
                 if (setting, seed) in done:
