@@ -57,7 +57,7 @@ class Curriculum:
         weights = self._weights()
         chosen: list[int] = []
         for _ in range(k):
-            if len(chosen) == self.num_prompts:  # more draws than prompts: start over
+            if chosen and len(chosen) % self.num_prompts == 0:  # every prompt drawn: again
                 weights = self._weights()
             cum = np.cumsum(weights)
             total = float(cum[-1]) + 0.0

@@ -117,7 +117,7 @@ def test_draws_are_those_of_random_choices_to_the_bit():
     import random
 
     rng = random.Random(5)
-    for n, k in [(1, 2), (7, 14), (50, 12), (3000, 64)]:
+    for n, k in [(1, 3), (7, 14), (3, 11), (50, 12), (3000, 64)]:  # 3 and 11: rounds over
         cur = Curriculum(n, seed=n, lag=0, floor=0.05)
         for i in range(n):
             cur.samples[i] = rng.choice([0, 0, 1, 8, 16, 100])
@@ -126,9 +126,18 @@ def test_draws_are_those_of_random_choices_to_the_bit():
         want, draws = [], random.Random(f"{n}:curriculum:3")
         weights = [cur.weight(i) for i in range(n)]
         for _ in range(k):
-            if len(want) == n:
+            if want and len(want) % n == 0:
                 weights = [cur.weight(i) for i in range(n)]
             i = draws.choices(range(n), weights)[0]
             want.append(i)
             weights[i] = 0.0
         assert cur.draw(3, k) == want
+
+
+def test_a_step_drawing_several_rounds_of_prompts_draws_each_once_a_round():
+    """More draws than twice the prompts (a step of 8 questions over 3 prompts): each
+    round of n draws holds every prompt once, and the last partial round distinct ones."""
+    cur = Curriculum(3, seed=0, lag=0)
+    picks = cur.draw(0, 8)
+    assert [sorted(picks[i : i + 3]) for i in (0, 3)] == [[0, 1, 2], [0, 1, 2]]
+    assert len(set(picks[6:])) == 2
