@@ -57,9 +57,7 @@ def _data(args: argparse.Namespace) -> int:
             raise UserError(f"--high: must be >= 2, got {args.high}")
         rows = guess_rows(args.n, args.seed, args.high)
     elif args.data_cmd == "check":
-        prompts = load_prompts(args.input)
-        print(f"{args.input}: {len(prompts)} prompts, all valid")
-        return 0
+        return _check_data(args)
     else:  # tokenize
         from async_grpo.data.tokenize import tokenize_prompts
         from async_grpo.models import resolve_model
@@ -95,6 +93,34 @@ def held_out_rows(rows: list[dict], exclude: list[str]) -> list[dict]:
     if not kept:
         raise UserError(f"--exclude: every generated prompt is in {', '.join(exclude)}")
     return kept
+
+
+def _check_data(args: argparse.Namespace) -> int:
+    """`data check`: a JSONL file alone against the strict schema; with --config (or any
+    other form) every row as a run reads it, prepared into the cache a run then opens."""
+    if args.config is None and not args.set and str(args.input or "").endswith(".jsonl"):
+        from async_grpo.data import load_prompts
+
+        prompts = load_prompts(args.input)
+        print(f"{args.input}: {len(prompts)} prompts, all valid")
+        return 0
+    if args.input is None and args.config is None:
+        raise UserError("data check: give a FILE (or folder) to check, or --config CONFIG")
+    from async_grpo.config_checks import load_config
+    from async_grpo.data.tokenize import prepare_prompts
+    from async_grpo.models import resolve_model
+
+    cfg = load_config(args.config, [*args.set, *([f"data={args.input}"] if args.input else [])])
+    model_dir = resolve_model(cfg.model)
+    checked = [(cfg.data, cfg.dataset)]
+    if cfg.eval.data and args.input is None:  # the config's held-out set too
+        checked.append((cfg.eval.data, cfg.eval_dataset))
+    for data, dataset in checked:
+        table = prepare_prompts(
+            data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, dataset
+        )
+        print(f"{data}: {len(table)} prompts, all valid (prepared for {cfg.model}: {table.path})")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -261,8 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
             help="the prompt as a `messages` column (a list with one user message), read"
             " with dataset.prompt_key=messages; -o x.parquet writes parquet (docs/data.md)",
         )
-    d = dsub.add_parser("check", help="validate a prompt JSONL file")
-    d.add_argument("input")
+    d = dsub.add_parser(
+        "check",
+        help="check every row as a run reads it (any form; docs/data.md), or a JSONL file"
+        " against the strict schema",
+    )
+    d.add_argument("input", nargs="?", help="a file or folder (default: the config's data)")
+    d.add_argument(
+        "--config", help="a run config: its model, dataset section, prompt_format and context"
+    )
+    d.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override"
+    )
     d = dsub.add_parser("tokenize", help="add input_token_ids (the model's chat template)")
     d.add_argument("input")
     d.add_argument("--model", default="smollm2-135m", help="model folder or prepared name")

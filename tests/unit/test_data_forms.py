@@ -314,3 +314,22 @@ def test_the_batcher_draws_from_a_table_as_from_a_list(tmp_path, tiny_model_dir,
 
     from_list = run(prompts)
     assert len(from_list) == 16 and run(table) == from_list
+
+
+def test_the_check_command_reads_any_form_as_a_run_does(tmp_path, tiny_model_dir):
+    """`async-grpo data check FILE --set ...`: every row through the run's own reader and
+    checks (a parquet file with other column names); a missing column is one line, exit 2."""
+    path = _write("parquet", tmp_path, _rows("question", "solution"))
+    cmd = [sys.executable, "-m", "async_grpo.cli", "data", "check", str(path)]
+    cmd += ["--set", f"model={tiny_model_dir}"]
+    keys = ["--set", "dataset.prompt_key=question", "--set", "dataset.answer_key=solution"]
+    r = subprocess.run([*cmd, *keys], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"{path}: {len(QUESTIONS)} prompts, all valid" in r.stdout
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"async-grpo: error: {path}:1: column 'input': missing (dataset.prompt_key; the columns:"
+        " question,"
+        " solution, source, level)"
+    ]
