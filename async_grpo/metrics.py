@@ -202,3 +202,33 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
     return rows
+
+
+def summary_line(output_dir: str | Path, wall_s: float, last: int = 4) -> str:
+    """The line a finished run ends with, read back from its own files: steps, the mean
+    training reward of the last `last` steps, the last held-out pass@1, the wall time, the
+    newest checkpoint and the metrics file."""
+    out = Path(output_dir)
+    path = out / METRICS_FILE
+    rows = read_metrics(path) if path.is_file() else []
+    train = [r for r in rows if "loss" in r]
+    parts = [f"{train[-1]['step'] if train else 0} steps in {_duration(wall_s)}"]
+    rewards = [r["reward/mean"] for r in train[-last:] if "reward/mean" in r]
+    if rewards:
+        parts.append(
+            f"training reward {sum(rewards) / len(rewards):.3f} (last {len(rewards)} steps)"
+        )
+    held_out = [r for r in rows if "eval/pass_at_1" in r]
+    if held_out:
+        e = held_out[-1]
+        parts.append(f"held-out pass@1 {e['eval/pass_at_1']:.3f} at version {e['step']}")
+    latest = out / "checkpoints" / "latest"
+    if latest.is_file():
+        parts.append(f"checkpoint {latest.parent / latest.read_text().strip()}")
+    parts.append(f"metrics {path}")
+    return "done: " + "; ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s} s" if m else f"{s} s"

@@ -389,6 +389,10 @@ def run_local(
                 print(cause, flush=True)
             if logs is not None and logs.is_dir():
                 print(f"the run failed; the workers' logs are in {logs}/", flush=True)
+        elif code == 0:
+            from async_grpo.metrics import summary_line
+
+            print(summary_line(cfg.output_dir, time.time() - started), flush=True)
         shutil.rmtree(exit_dir, ignore_errors=True)
         if given_id is None:
             del os.environ[RUN_ID_ENV]

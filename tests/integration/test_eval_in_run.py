@@ -42,7 +42,7 @@ def _run(tiny_model_dir, out, steps, *extra, expect=0):
 def run_with_eval(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "run"
     events = out.parent / "events.jsonl"
-    _run(
+    r = _run(
         tiny_model_dir,
         out,
         4,
@@ -56,6 +56,7 @@ def run_with_eval(tiny_model_dir, tmp_path_factory):
         "sample_every=2",
         f"hooks=[{{path: 'hooks_for_tests:EventLog', args: {{path: '{events}'}}}}]",
     )
+    (out.parent / "console.txt").write_text(r.stdout)
     rows = [json.loads(x) for x in (out / "training_metrics.jsonl").read_text().splitlines()]
     return out, rows, [json.loads(x) for x in events.read_text().splitlines()]
 
@@ -76,6 +77,15 @@ def test_evaluations_of_the_pushed_versions_are_metrics_rows(run_with_eval):
         assert r["eval/reward/rewards_for_tests:vowel_share/vowels"] >= 0
         assert r["eval/trainer_wait_s"] >= 0 and not any(k in r for k in ("loss", "reward/mean"))
     assert (out / "logs" / "evaluator.log").is_file()
+    # the run's last line: its result, read back from these rows
+    console = (out.parent / "console.txt").read_text().replace("\r", "\n").splitlines()
+    summary = [x for x in console if x.strip()][-1]
+    reward = sum(r["reward/mean"] for r in train) / 4
+    assert summary.startswith("done: 4 steps in "), summary
+    assert f"training reward {reward:.3f} (last 4 steps)" in summary, summary
+    assert f"held-out pass@1 {evals[-1]['eval/pass_at_1']:.3f} at version 4" in summary
+    assert f"checkpoint {out / 'checkpoints' / 'step_4'}" in summary, summary
+    assert summary.endswith(f"metrics {out / 'training_metrics.jsonl'}"), summary
     logged = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert {r["step"] for r in logged} == {2, 4} and all("completion" in r for r in logged)
     png = out / "eval.png"

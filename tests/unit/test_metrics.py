@@ -8,7 +8,7 @@ import pytest
 
 from async_grpo.config import TrackersConfig
 from async_grpo.errors import UserError
-from async_grpo.metrics import METRICS_FILE, PARAMS_FILE, MetricsWriter, read_metrics
+from async_grpo.metrics import METRICS_FILE, PARAMS_FILE, MetricsWriter, read_metrics, summary_line
 
 
 def test_log_round_trips_and_converts_scalars(tmp_path):
@@ -143,3 +143,21 @@ def test_a_fresh_run_in_a_used_folder_starts_a_new_file(tmp_path):
         w.log(0, {"eval/pass_at_1": 0.2})
     rows = read_metrics(tmp_path / METRICS_FILE)
     assert rows == [{"step": 0, "eval/pass_at_1": 0.2}]
+
+
+def test_the_summary_line_reads_the_runs_own_files(tmp_path):
+    """Steps, the last 4 steps' mean reward, the last held-out pass@1 (rows of `eval/*`
+    keys only), the newest checkpoint and the metrics file; what a run lacks is left out."""
+    assert summary_line(tmp_path, 3.4) == f"done: 0 steps in 3 s; metrics {tmp_path / METRICS_FILE}"
+    with MetricsWriter(tmp_path) as w:
+        w.log(0, {"eval/pass_at_1": 0.1})
+        for step, reward in enumerate([0.0, 0.2, 0.4, 0.6, 0.8], start=1):
+            w.log(step, {"loss": 1.0, "reward/mean": reward})
+        w.log(4, {"eval/pass_at_1": 0.625})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_5\n")
+    assert summary_line(tmp_path, 125.2) == (
+        "done: 5 steps in 2 min 5 s; training reward 0.500 (last 4 steps); held-out pass@1"
+        f" 0.625 at version 4; checkpoint {tmp_path / 'checkpoints' / 'step_5'}; metrics"
+        f" {tmp_path / METRICS_FILE}"
+    )
