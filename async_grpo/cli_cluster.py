@@ -76,8 +76,8 @@ def run_worker(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.mode not in NO_MODEL and args.model is None:
         args.model = cfg.model
-    from async_grpo.inference.launch import stop_workers
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit, pool_subject
+    from async_grpo.pools import stop_workers
     from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
     _connect(args.address)
@@ -114,26 +114,26 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def _start(args: argparse.Namespace, cfg: Any, n: int | None = None) -> list[Any]:
-    from async_grpo.inference import launch
+    from async_grpo import pools
 
     if args.mode == "verifier":
         n = n or args.num_workers or cfg.verifier.num_workers
-        return launch.start_verifier_workers(cfg.verifier, n, detached=False)
+        return pools.start_verifier_workers(cfg.verifier, n, detached=False)
     if args.mode == "environment":
         if cfg.environment.name is None:
             raise UserError("environment.name: required for --mode environment (e.g. calculator)")
         n = n or args.num_workers or cfg.environment.num_workers
-        return launch.start_environment_workers(cfg.environment, n, detached=False)
+        return pools.start_environment_workers(cfg.environment, n, detached=False)
     from async_grpo.models import resolve_model
 
     model = str(resolve_model(args.model))
     if args.mode == "generation":
         n = n or args.num_workers or cfg.generation.num_workers
-        return launch.start_generation_workers(
-            model, cfg.generation, n, args.device, adapters=launch.serving_adapters(cfg)
+        return pools.start_generation_workers(
+            model, cfg.generation, n, args.device, adapters=pools.serving_adapters(cfg)
         )
     n = n or args.num_workers or cfg.logprob.num_workers
-    return launch.start_logprob_workers(
+    return pools.start_logprob_workers(
         model, cfg.logprob, n, args.device, cfg.trainer.loss.temperature
     )
 

@@ -284,7 +284,7 @@ def run_local(
     workers write to OUTPUT_DIR/logs/, whose path is printed if the run fails."""
     import ray
 
-    from async_grpo.inference import launch
+    from async_grpo import pools
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit, pool_subject
     from async_grpo.logs import log_dir, quiet_libraries, ray_errors_to_file
     from async_grpo.ray_utils import connect
@@ -377,7 +377,7 @@ def run_local(
             stop_trainer(trainer)
         workers = supervisor.workers or workers
         if workers:
-            launch.stop_workers(workers, drain_timeout_s=5)
+            pools.stop_workers(workers, drain_timeout_s=5)
         if ray.is_initialized():
             ray.shutdown()
         if head is not None:
@@ -416,7 +416,7 @@ def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
         cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
     )
     if cfg.eval.data:
-        from async_grpo.evaluation.hook import held_out_prompts
+        from async_grpo.data.held_out import held_out_prompts
 
         held_out_prompts(cfg, model_dir)
     return model_dir
@@ -426,32 +426,30 @@ def pool_starters(
     cfg: RunConfig, model_dir: str, logs: Path | None
 ) -> tuple[dict[str, Callable[[int], Any]], dict[str, int]]:
     """For each pool the run needs: what starts n of its workers, and how many it starts."""
-    from async_grpo.inference import launch
+    from async_grpo import pools
 
     device = cfg.trainer.device
     starters: dict[str, Callable[[int], Any]] = {
-        "generation": lambda n: launch.begin_generation_workers(
+        "generation": lambda n: pools.begin_generation_workers(
             model_dir,
             cfg.generation,
             n,
             device,
             log_dir=logs,
-            adapters=launch.serving_adapters(cfg),
+            adapters=pools.serving_adapters(cfg),
         ),  # fmt: skip
     }
     counts = {"generation": cfg.generation.num_workers}
     if cfg.environment.name is None:  # single-turn: the verifiers score
-        starters["verifier"] = lambda n: launch.begin_verifier_workers(
-            cfg.verifier, n, log_dir=logs
-        )
+        starters["verifier"] = lambda n: pools.begin_verifier_workers(cfg.verifier, n, log_dir=logs)
         counts["verifier"] = cfg.verifier.num_workers
     else:  # multi-turn: the environments score
-        starters["environment"] = lambda n: launch.begin_environment_workers(
+        starters["environment"] = lambda n: pools.begin_environment_workers(
             cfg.environment, n, log_dir=logs
         )
         counts["environment"] = cfg.environment.num_workers
     if cfg.reference == "logprob_pool":
-        starters["logprob"] = lambda n: launch.begin_logprob_workers(
+        starters["logprob"] = lambda n: pools.begin_logprob_workers(
             model_dir, cfg.logprob, n, device, cfg.trainer.loss.temperature, log_dir=logs
         )
         counts["logprob"] = cfg.logprob.num_workers

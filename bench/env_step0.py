@@ -40,13 +40,13 @@ def main() -> None:
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.environments.turns import TurnFormat
     from async_grpo.inference.client import PoolClient
-    from async_grpo.inference.launch import (
+    from async_grpo.inference.types import SamplingSettings
+    from async_grpo.models import resolve_model
+    from async_grpo.pools import (
         start_environment_workers,
         start_generation_workers,
         stop_workers,
     )
-    from async_grpo.inference.types import SamplingSettings
-    from async_grpo.models import resolve_model
     from async_grpo.precision import resolve_dtype
     from async_grpo.ray_utils import connect
 

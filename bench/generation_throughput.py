@@ -119,7 +119,7 @@ def main() -> None:
 
     import ray
 
-    from async_grpo.inference.launch import start_generation_workers, start_logprob_workers
+    from async_grpo.pools import start_generation_workers, start_logprob_workers
     from async_grpo.ray_utils import connect
 
     connect(None, num_cpus=4, object_store_bytes=512 << 20)

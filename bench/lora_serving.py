@@ -69,8 +69,8 @@ def _policy(model_dir: str, rank: int) -> object:
 
 def measure(kind: str, rank: int, pushes: int, prompts: list[list[int]], model_dir: str) -> None:
     from async_grpo.config import GenerationConfig
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
     from async_grpo.inference.types import AdapterServing
+    from async_grpo.pools import start_generation_workers, stop_workers
     from async_grpo.trainer.push import WeightPusher
 
     cfg = GenerationConfig(max_model_len=256, max_concurrent_seqs=512, kv_cache_gib=2, threads=2)

@@ -91,7 +91,15 @@ def one_run(config: str, setting: str, seed: int, steps: int, out: Path) -> dict
 def table(results: list[dict]) -> str:
     """A Markdown table: one row per setting (mean over its seeds), the seeds' values in
     brackets."""
-    cols = ["time_to_0.8_s", "steps_to_0.8", "reward_31_40", "heldout_40", "clip_frac", "masked_frac", "wall_s"]
+    cols = [
+        "time_to_0.8_s",
+        "steps_to_0.8",
+        "reward_31_40",
+        "heldout_40",
+        "clip_frac",
+        "masked_frac",
+        "wall_s",
+    ]
     lines = [
         "| setting | CPU | seeds | " + " | ".join(cols) + " |",
         "|---" * (len(cols) + 3) + "|",

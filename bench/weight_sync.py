@@ -101,8 +101,8 @@ def cpu_figures(pushes: int, cpu_linear: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from async_grpo.config import GenerationConfig
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
     from async_grpo.models import resolve_model
+    from async_grpo.pools import start_generation_workers, stop_workers
     from async_grpo.ray_utils import connect
     from async_grpo.trainer.push import WeightPusher
 

@@ -51,7 +51,7 @@ def test_a_dead_engine_ends_its_worker_and_requests_go_elsewhere(cluster, tiny_m
     import ray
 
     from async_grpo.inference.client import PoolClient
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
 
     workers = start_generation_workers(str(tiny_model_dir), CFG, 2, timeout_s=600)
     try:

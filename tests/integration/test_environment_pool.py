@@ -38,7 +38,7 @@ GAME = "I picked a secret whole number from 1 to 1000. Guess it: reply with one 
 
 @pytest.fixture(scope="module")
 def generation(cluster, smollm2_dir):
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
 
     handles = start_generation_workers(str(smollm2_dir), GEN, 1)
     yield handles
@@ -87,7 +87,7 @@ def test_episodes_replay_token_by_token_in_the_trainer(generation, smollm2_dir, 
 
     from async_grpo.core.logprobs import batch_logprobs
     from async_grpo.core.packing import pack
-    from async_grpo.inference.launch import start_environment_workers, stop_workers
+    from async_grpo.pools import start_environment_workers, stop_workers
 
     cfg = _cfg()
     envs = start_environment_workers(cfg.environment, 2)
@@ -118,7 +118,7 @@ def test_episodes_replay_token_by_token_in_the_trainer(generation, smollm2_dir, 
 
 
 def test_a_group_over_every_workers_capacity_is_refused_at_once(generation, tokenizer):
-    from async_grpo.inference.launch import start_environment_workers, stop_workers
+    from async_grpo.pools import start_environment_workers, stop_workers
 
     cfg = _cfg(capacity=2)
     envs = start_environment_workers(cfg.environment, 1)
@@ -133,7 +133,7 @@ def test_a_group_over_every_workers_capacity_is_refused_at_once(generation, toke
 def test_a_worker_killed_mid_group_ends_its_episodes_with_a_reason(generation, tokenizer):
     import ray
 
-    from async_grpo.inference.launch import start_environment_workers, stop_workers
+    from async_grpo.pools import start_environment_workers, stop_workers
 
     cfg = _cfg(max_turns=8)
     envs = start_environment_workers(cfg.environment, 1)
@@ -159,7 +159,7 @@ def test_a_worker_killed_mid_group_ends_its_episodes_with_a_reason(generation, t
 
 def test_the_server_backed_kind_runs_behind_the_pool(generation, tokenizer):
     from async_grpo.environments.http import make_server
-    from async_grpo.inference.launch import start_environment_workers, stop_workers
+    from async_grpo.pools import start_environment_workers, stop_workers
 
     server = make_server("guess_number")
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -188,7 +188,7 @@ def test_a_worker_with_stuck_threads_retires_and_ends(cluster):
     from async_grpo.environments import Task
     from async_grpo.environments.pool import STUCK_LIMIT, EnvironmentFailed
     from async_grpo.inference.client import get_registry
-    from async_grpo.inference.launch import start_environment_workers, stop_workers
+    from async_grpo.pools import start_environment_workers, stop_workers
 
     cfg = EnvironmentConfig(name="envs_for_tests:Hostile", capacity=8, step_timeout_s=0.5)
     (w,) = start_environment_workers(cfg, 1)
@@ -229,7 +229,7 @@ def test_a_group_given_up_during_its_acquire_leaves_no_instance(cluster, tokeniz
 
     from async_grpo.environments import Task
     from async_grpo.environments.pool import EnvironmentFailed
-    from async_grpo.inference.launch import start_environment_workers, stop_workers
+    from async_grpo.pools import start_environment_workers, stop_workers
 
     def live():
         return _stats([w])[0]["env/live"]
@@ -290,7 +290,7 @@ def test_a_reset_past_its_timeout_still_closes_its_server_session(cluster, monke
     from async_grpo.environments import Task
     from async_grpo.environments.http import make_server
     from async_grpo.environments.pool import EnvironmentFailed
-    from async_grpo.inference.launch import start_environment_workers, stop_workers
+    from async_grpo.pools import start_environment_workers, stop_workers
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
     server = make_server("envs_for_tests:SlowReset")  # each reset takes 1 s

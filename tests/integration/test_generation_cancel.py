@@ -27,7 +27,7 @@ LONG = SamplingSettings(max_new_tokens=2000, temperature=1.0, seed=0)
 def worker(cluster, tiny_model_dir):
     import ray
 
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
 
     (w,) = start_generation_workers(str(tiny_model_dir), CFG, 1, timeout_s=600)
     ray.get(w.generate.remote([1, 2, 3], N, SamplingSettings(32, 1.0, seed=1)), timeout=300)

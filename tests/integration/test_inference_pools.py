@@ -22,7 +22,7 @@ GREEDY = SamplingSettings(max_new_tokens=12, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def workers(cluster, smollm2_dir):
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
 
     handles = start_generation_workers(str(smollm2_dir), CFG, 2)
     yield handles
@@ -146,7 +146,7 @@ def test_request_that_can_never_fit_is_refused_at_once(workers):
 def test_killing_a_worker_mid_stream_loses_no_request(workers, prompts, smollm2_dir, tokens_per_s):
     import ray
 
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
 
     client = _client(tokens_per_s, 2 * 32 * 4 * 16)  # every request may run twice
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def worker(cluster, tiny_model_dir):
-    from async_grpo.inference.launch import start_logprob_workers, stop_workers
+    from async_grpo.pools import start_logprob_workers, stop_workers
 
     (w,) = start_logprob_workers(
         str(tiny_model_dir), LogprobConfig(max_tokens_per_batch=64, dtype="float32"), 1

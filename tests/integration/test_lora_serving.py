@@ -46,7 +46,7 @@ class _Policy(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def engines(cluster, tiny_model_dir):
-    from async_grpo.inference.launch import begin_generation_workers, stop_workers
+    from async_grpo.pools import begin_generation_workers, stop_workers
 
     serving = AdapterServing(LORA.rank, 3)
     starting = [

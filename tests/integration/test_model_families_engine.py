@@ -81,7 +81,7 @@ def test_a_pushed_engine_samples_with_the_trainers_logprobs(
     import ray
     from transformers import AutoModelForCausalLM
 
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
     from async_grpo.trainer.push import WeightPusher
 
     if family == REAL_GEMMA3:

@@ -19,7 +19,7 @@ GRACE_S = 15.0
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    from async_grpo.inference.launch import ensure_registry
+    from async_grpo.pools import ensure_registry
 
     forget_pools()  # this module's registry must be made with its grace
     ensure_registry("logprob", lease_grace_s=GRACE_S)
@@ -59,7 +59,7 @@ def _wait_for(what, predicate, timeout_s=60):
 
 @pytest.fixture(scope="module")
 def worker(cluster, tiny_model_dir):
-    from async_grpo.inference.launch import start_logprob_workers, stop_workers
+    from async_grpo.pools import start_logprob_workers, stop_workers
 
     (w,) = start_logprob_workers(str(tiny_model_dir), LogprobConfig(threads=1), 1, timeout_s=300)
     yield w
@@ -132,7 +132,7 @@ def test_dead_worker_without_heartbeats_is_dropped(cluster):
     the registry's probe and dropped, so no caller is leased a dead actor."""
     import ray
 
-    from async_grpo.inference.launch import ensure_registry
+    from async_grpo.pools import ensure_registry
 
     class Silent:
         def ping(self):
@@ -176,7 +176,7 @@ def test_a_verifier_with_other_rewards_stops_the_start(cluster):
     """A verifier started without the run's config scores with its defaults; the trainer's
     start-up check names both reward specs instead of training on all-zero rewards."""
     from async_grpo.config import ConfigError, VerifierConfig
-    from async_grpo.inference.launch import start_verifier_workers, stop_workers
+    from async_grpo.pools import start_verifier_workers, stop_workers
     from async_grpo.rewards.pool import check_verifiers
 
     workers = start_verifier_workers(VerifierConfig(), 1)  # defaults: countdown

@@ -42,7 +42,7 @@ class _Wrapped(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def workers(cluster, smollm2_dir):
-    from async_grpo.inference.launch import begin_generation_workers, stop_workers
+    from async_grpo.pools import begin_generation_workers, stop_workers
 
     far_cfg = dataclasses.replace(CFG, weight_transport="broadcast", cpu_linear="torch")
     starting = [begin_generation_workers(str(smollm2_dir), c, 1) for c in (CFG, far_cfg)]
@@ -98,7 +98,7 @@ def test_one_push_reaches_a_mixed_set(workers, pusher, policy, prompt, tmp_path,
     an engine started from the pushed weights samples, and transformers agrees."""
     import ray
 
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
 
     near, far = workers
     before = ray.get(near.generate.remote(prompt, 1, SEEDED))[0]
@@ -268,7 +268,7 @@ def test_late_joiner_loads_the_checkpoint_then_the_next_push(
     import ray
 
     from async_grpo.inference.client import get_registry
-    from async_grpo.inference.launch import start_generation_workers, stop_workers
+    from async_grpo.pools import start_generation_workers, stop_workers
 
     version = int(ray.get(workers[0].ping.remote())["version"]) + 1  # saved after the push
     hf_dir = tmp_path / "step" / "hf"

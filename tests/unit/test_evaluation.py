@@ -211,7 +211,7 @@ def _write(path, inputs):
 
 
 def test_eval_data_that_overlaps_training_is_refused(tmp_path, tiny_model_dir):
-    from async_grpo.evaluation.hook import held_out_prompts
+    from async_grpo.data.held_out import held_out_prompts
 
     _write(tmp_path / "train.jsonl", ["what is 1+1?", "what is 2+2?"])
     _write(tmp_path / "eval.jsonl", ["what is 3+3?", "what is 2+2?"])

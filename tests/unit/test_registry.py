@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from async_grpo.inference.launch import worker_ids
 from async_grpo.inference.registry import LeastLoadedRegistry
 from async_grpo.inference.types import PoolUnavailable
+from async_grpo.pools import worker_ids
 
 
 def _loads(statuses):
