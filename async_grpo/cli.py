@@ -192,13 +192,17 @@ def _run(args: argparse.Namespace) -> int:
     import signal
 
     from async_grpo.config_checks import load_config
+    from async_grpo.preflight import checked_before_ray
     from async_grpo.run import run_local, stop_on_signal
 
     cfg = load_config(args.config, args.overrides)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # stop as on Ctrl-C (run.Stopped)
         signal.signal(sig, stop_on_signal)
+    model_dir = checked_before_ray(cfg, args.resume)
     address = args.address or cfg.ray_address
-    return run_local(cfg, args.config, args.overrides, address, args.resume, args.verbose)
+    return run_local(
+        cfg, model_dir, args.config, args.overrides, address, args.resume, args.verbose
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

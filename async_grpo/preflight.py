@@ -178,3 +178,27 @@ def imported_vllm_architectures() -> set[str]:
     finally:
         vllm_logger.setLevel(level)
     return set(ModelRegistry.get_supported_archs())
+
+
+def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
+    """Everything a run can refuse before Ray, the pools or torchrun start (preflight, the
+    prompts, a held-out set that overlaps training); the model's folder."""
+    from async_grpo.data.tokenize import prepare_prompts
+    from async_grpo.models import resolve_model
+    from async_grpo.preflight import preflight
+
+    if cfg.ray_address is None:  # every process on this node: no two pools share a core
+        from async_grpo.config_checks import validate_placement
+        from async_grpo.placement import check_disjoint
+
+        check_disjoint(validate_placement(cfg))
+    model_dir = str(resolve_model(cfg.model))
+    preflight(cfg, model_dir, resume)
+    prepare_prompts(
+        cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
+    )
+    if cfg.eval.data:
+        from async_grpo.data.held_out import held_out_prompts
+
+        held_out_prompts(cfg, model_dir)
+    return model_dir

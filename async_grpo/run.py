@@ -274,13 +274,15 @@ def torchrun_command(
 
 def run_local(
     cfg: RunConfig,
+    model_dir: str,
     config_path: str | None,
     overrides: list[str],
     address: str | None,
     resume: str | None,
     verbose: bool = False,
 ) -> int:
-    """The one-command run; returns the trainer's exit code. Quiet unless `verbose`: the
+    """The one-command run of a config `preflight.checked_before_ray` passed (`model_dir`,
+    the model's folder); returns the trainer's exit code. Quiet unless `verbose`: the
     workers write to OUTPUT_DIR/logs/, whose path is printed if the run fails."""
     import ray
 
@@ -289,7 +291,6 @@ def run_local(
     from async_grpo.logs import log_dir, quiet_libraries, ray_errors_to_file
     from async_grpo.ray_utils import connect
 
-    model_dir = checked_before_ray(cfg, resume)
     head: LocalHead | None = None
     started = time.time()  # the run's semaphores in /dev/shm are those made since
     given_id = os.environ.get(RUN_ID_ENV)
@@ -396,30 +397,6 @@ def run_local(
         shutil.rmtree(exit_dir, ignore_errors=True)
         if given_id is None:
             del os.environ[RUN_ID_ENV]
-
-
-def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
-    """Everything a run can refuse before Ray, the pools or torchrun start (preflight, the
-    prompts, a held-out set that overlaps training); the model's folder."""
-    from async_grpo.data.tokenize import prepare_prompts
-    from async_grpo.models import resolve_model
-    from async_grpo.preflight import preflight
-
-    if cfg.ray_address is None:  # every process on this node: no two pools share a core
-        from async_grpo.config_checks import validate_placement
-        from async_grpo.placement import check_disjoint
-
-        check_disjoint(validate_placement(cfg))
-    model_dir = str(resolve_model(cfg.model))
-    preflight(cfg, model_dir, resume)
-    prepare_prompts(
-        cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
-    )
-    if cfg.eval.data:
-        from async_grpo.data.held_out import held_out_prompts
-
-        held_out_prompts(cfg, model_dir)
-    return model_dir
 
 
 def pool_starters(
