@@ -61,6 +61,17 @@ _NO_TOKEN = f"missing or wrong token: send 'Authorization: Bearer <token>' ({TOK
 _log = logging.getLogger(__name__)
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is answered as the error it is: following it would send the bearer
+    token (and the episode) to whatever address the answer names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201
+        return None  # urllib then raises HTTPError with the 3xx code
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 class HttpEnvironment(Environment):
     """One session on an environment server at `url` (`token`: ASYNC_GRPO_ENV_TOKEN if set)."""
 
@@ -80,9 +91,15 @@ class HttpEnvironment(Environment):
             f"{self.url}{path}", data=json.dumps(body).encode(), headers=headers
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
                 raw = response.read(MAX_BODY_BYTES + 1)[:MAX_BODY_BYTES]
         except urllib.error.HTTPError as e:
+            if 300 <= e.code < 400:
+                where = e.headers.get("Location", "")[:200]
+                raise RuntimeError(
+                    f"{self.url}{path}: HTTP {e.code} redirect to {where!r} refused (the"
+                    " token is sent to environment.url only)"
+                ) from None
             detail = e.read(500).decode(errors="replace")
             raise RuntimeError(f"{self.url}{path}: HTTP {e.code}: {detail}") from None
         try:

@@ -409,3 +409,51 @@ def test_the_cli_refuses_to_serve_other_machines_without_a_token(tmp_path):
     r = _cli("--host", "0.0.0.0", "--port", "0", "--token-file", str(tmp_path / "token"), env=env)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "at least 16" in r.stderr
+
+
+def test_a_redirect_is_refused_and_the_token_stays_home(monkeypatch):
+    """A server that answers 301, 302, 303, 307 or 308 pointing at another address: the
+    client fails the call naming the redirect, and the other address sees no request (the
+    token would have gone with it)."""
+    seen: list[dict] = []
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            seen.append(dict(self.headers))
+            self.send_response(200)
+            self.end_headers()
+
+        do_GET = do_POST  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    target = f"http://127.0.0.1:{other.server_address[1]}/reset"
+    codes = iter([301, 302, 303, 307, 308])
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(next(codes))
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    try:
+        for code in (301, 302, 303, 307, 308):
+            env = HttpEnvironment(f"http://127.0.0.1:{server.server_address[1]}")
+            with pytest.raises(RuntimeError, match=f"HTTP {code} redirect to .* refused"):
+                env.reset(Task("What is 2 + 2?", "4"))
+    finally:
+        for s in (server, other):
+            s.shutdown()
+            s.server_close()
+    assert seen == []
