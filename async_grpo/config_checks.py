@@ -384,8 +384,9 @@ MAX_LORA_RANK = 512  # the largest rank vLLM serves (its max_lora_rank choices)
 
 
 def validate_placement(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
-    """Core lists that parse, exist on this machine and hold each process's threads; the
-    ones set, by key."""
+    """Core lists that parse and hold each process's threads, and, for a run on this
+    machine alone (no `ray_address`), exist here; the ones set, by key. On a cluster the
+    cores are those of the node each process starts on: it checks them as it binds."""
     from async_grpo.placement import check_cpus
 
     named = {}
@@ -396,7 +397,9 @@ def validate_placement(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
     ):
         if section.cpus is not None:
             where = f"{key}.cpus"
-            named[where] = check_cpus(section.cpus, where, section.threads)
+            named[where] = check_cpus(
+                section.cpus, where, section.threads, here=cfg.ray_address is None
+            )
     return named
 
 

@@ -46,11 +46,11 @@ def usable_cpus() -> set[int]:
     return set(os.sched_getaffinity(0))
 
 
-def check_cpus(text: str, where: str, threads: int) -> tuple[int, ...]:
-    """`parse_cpus`, refusing cores this machine does not give us and fewer cores than the
-    process's threads (they would take turns on a core)."""
+def check_cpus(text: str, where: str, threads: int, here: bool = True) -> tuple[int, ...]:
+    """`parse_cpus`, refusing fewer cores than the process's threads (they would take
+    turns on a core) and, with `here`, cores this machine does not give us."""
     cores = parse_cpus(text, where)
-    missing = sorted(set(cores) - usable_cpus())
+    missing = sorted(set(cores) - usable_cpus()) if here else []
     if missing:
         raise PlacementError(
             f"{where}: cores {missing} do not exist here (usable: {compact(usable_cpus())})"
@@ -82,14 +82,26 @@ def bind_process(cores: tuple[int, ...], where: str) -> None:
         os.sched_setaffinity(0, mask)
     except OSError as e:
         raise PlacementError(
-            f"{where}: cannot bind to cores {compact(cores)} on this node ({e.strerror};"
-            f" usable: {compact(usable_cpus())})"
+            f"{where}: cannot bind to cores {compact(cores)} on node {node_name()}"
+            f" ({e.strerror}; usable there: {compact(usable_cpus())})"
         ) from None
     for task in Path("/proc/self/task").iterdir():
         try:
             os.sched_setaffinity(int(task.name), mask)
         except ProcessLookupError:  # a thread that ended meanwhile
             continue
+
+
+def node_name() -> str:
+    """This node as Ray names it (its IP) where Ray runs in this process, and its host."""
+    import socket
+    import sys
+
+    host = socket.gethostname()
+    ray = sys.modules.get("ray")  # never imported here for this: placement stays below Ray
+    if ray is not None and ray.is_initialized():
+        return f"{ray.util.get_node_ip_address()} ({host})"
+    return host
 
 
 def process_cpus(pid: int | None = None) -> set[int]:

@@ -107,5 +107,23 @@ def test_a_process_is_bound_thread_by_thread():
 def test_binding_to_a_core_this_node_lacks_is_one_line():
     from async_grpo.placement import bind_process
 
-    with pytest.raises(PlacementError, match=r"^generation\.cpus: cannot bind to cores 9999"):
+    with pytest.raises(
+        PlacementError, match=r"^generation\.cpus: cannot bind to cores 9999 on node "
+    ):
         bind_process((9999,), "generation.cpus")
+
+
+def test_a_run_joining_a_cluster_leaves_core_existence_to_each_node():
+    """With `ray_address` the workers run on other nodes: cores this machine lacks are
+    accepted here (each process refuses them as it binds, naming its node); the parse and
+    the thread count are still checked here."""
+    from async_grpo.config_checks import load_config
+
+    cluster = ["ray_address=127.0.0.1:6379", "generation.cpus=9990-9997"]
+    assert load_config("configs/arithmetic.yaml", cluster).generation.cpus == "9990-9997"
+    with pytest.raises(PlacementError, match="do not exist here"):
+        load_config("configs/arithmetic.yaml", cluster[1:])
+    with pytest.raises(PlacementError, match="1 core.s. .* for 2 threads"):
+        load_config(
+            "configs/arithmetic.yaml", [*cluster[:1], "trainer.cpus=9999", "trainer.threads=2"]
+        )
