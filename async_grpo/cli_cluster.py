@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import json
 import os
 import signal
 import socket
@@ -40,8 +42,9 @@ def add_cluster_parsers(sub: Any) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. generation.threads=2")
     p.set_defaults(func=run_worker)
 
-    p = sub.add_parser("status", help="list registered workers with load and weight version")
+    p = sub.add_parser("status", help="registered workers by node: load, version, heartbeat")
     p.add_argument("--address", default="auto")
+    p.add_argument("--json", action="store_true", help="one JSON object per worker, a line each")
     p.set_defaults(func=run_status)
 
     p = sub.add_parser("stop", help="drain and stop every registered worker")
@@ -171,17 +174,25 @@ def run_status(args: argparse.Namespace) -> int:
     rows = []
     for registry in _registries().values():
         rows += ray.get(registry.status.remote(), timeout=30)
+    if args.json:
+        for r in rows:
+            print(json.dumps(dataclasses.asdict(r)))
+        return 0
     if not rows:
         print("no workers registered")
         return 0
-    print(
-        f"{'pool':<11} {'worker':<22} {'load':>9} {'version':>7} {'weights by':<10}  node  heartbeat"
-    )
-    for r in rows:
+    for node in sorted({r.node for r in rows}):
+        mine = [r for r in rows if r.node == node]
+        pools = sorted({r.pool for r in mine})
+        print(f"{node or 'node unknown'}: {len(mine)} worker(s) of {', '.join(pools)}")
         print(
-            f"{r.pool:<11} {r.worker_id:<22} {r.load:>4}/{r.capacity:<4} {r.version:>7}"
-            f" {r.transport or '-':<10}  {r.node}  {r.seconds_since_heartbeat}s ago"
+            f"  {'pool':<11} {'worker':<22} {'load':>9} {'version':>7} {'weights by':<10}  heartbeat"
         )
+        for r in mine:
+            print(
+                f"  {r.pool:<11} {r.worker_id:<22} {r.load:>4}/{r.capacity:<4} {r.version:>7}"
+                f" {r.transport or '-':<10}  {r.seconds_since_heartbeat}s ago"
+            )
     return 0
 
 

@@ -21,7 +21,7 @@ from async_grpo.config import (
     VerifierConfig,
 )
 from async_grpo.inference.types import AdapterServing
-from async_grpo.ray_utils import NAMESPACE, registry_name
+from async_grpo.ray_utils import NAMESPACE, actor_node, registry_name
 
 START_TIMEOUT_S = 900.0
 VERIFIER_CAPACITY = 4096  # samples a verifier worker accepts at once
@@ -308,9 +308,8 @@ def _start_silent_pool(
     log_dir: Path | None,
     max_concurrency: int,
 ) -> Starting:
-    """Actors without heartbeats (their registry pings them): started, then registered."""
-    import socket
-
+    """Actors without heartbeats (their registry pings them): started, then registered
+    with the node each one runs on."""
     import ray
 
     from async_grpo.logs import actor_runtime_env
@@ -327,10 +326,11 @@ def _start_silent_pool(
     ]
 
     def register() -> None:
+        nodes = ray.get([w.__ray_call__.remote(actor_node) for w in workers], timeout=timeout_s)
         ray.get(
             [
-                registry.register.remote(wid, w, capacity, 0, socket.gethostname(), False)
-                for wid, w in zip(ids, workers, strict=True)
+                registry.register.remote(wid, w, capacity, 0, node, False)
+                for wid, w, node in zip(ids, workers, nodes, strict=True)
             ],
             timeout=timeout_s,
         )

@@ -62,3 +62,20 @@ def connect(
 
 def registry_name(pool: str) -> str:
     return f"registry:{pool}"
+
+
+def node_label() -> str:
+    """The Ray node this process runs on, as `async-grpo status` groups workers: its IP,
+    the start of its node id and the host name (two nodes of one host differ by the first
+    two). Called inside a Ray worker or driver."""
+    import socket
+
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return f"{ray.util.get_node_ip_address()} node {node_id[:8]} ({socket.gethostname()})"
+
+
+def actor_node(actor: Any) -> str:
+    """`node_label` of the actor instance it runs in (`actor.__ray_call__`)."""
+    return node_label()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import socket
 import time
 from typing import Any
+
+from async_grpo.ray_utils import node_label
 
 HEARTBEAT_S = 2.0
 REGISTRY_CALL_TIMEOUT_S = 60.0  # register / heartbeat answered by the pool's registry
@@ -108,7 +109,7 @@ class RegisteredWorker:
         """Register (again) and load the checkpoint the registry says is newer than ours."""
         latest = await self._ask_registry(
             self.registry.register.remote(
-                self.worker_id, me, self.capacity, self.version, socket.gethostname()
+                self.worker_id, me, self.capacity, self.version, node_label()
             ),
             "register",
         )

@@ -1,6 +1,8 @@
 """`async-grpo worker / status / stop` against a real `ray start --head` cluster."""
 
+import json
 import os
+import re
 import subprocess
 import time
 
@@ -41,11 +43,18 @@ def test_worker_status_stop(ray_head, tiny_model_dir):
         wait_for_line(worker, "2 logprob worker(s) registered")
         status = _cli("status", address, env)
         assert status.returncode == 0, status.stderr
-        rows = [r for r in status.stdout.splitlines() if r.startswith("logprob")]
+        rows = [r.strip() for r in status.stdout.splitlines()]
+        assert re.fullmatch(
+            r"127\.0\.0\.1 node [0-9a-f]{8} \(.+\): 2 worker\(s\) of logprob", rows[0]
+        )
+        rows = [r for r in rows if r.startswith("logprob")]
         assert len(rows) == 2 and all(" 0/256 " in r for r in rows), status.stdout
         wait_for_line(verifier, "1 verifier worker(s) registered")
-        status = _cli("status", address, env)
-        assert sum(r.startswith("verifier") for r in status.stdout.splitlines()) == 1
+        status = _cli("status", address, env, "--json")
+        rows = [json.loads(x) for x in status.stdout.splitlines()]
+        assert sorted(r["pool"] for r in rows) == ["logprob", "logprob", "verifier"]
+        assert len({r["node"] for r in rows}) == 1  # the verifier's node is its own, as theirs
+        assert all(r["node"].startswith("127.0.0.1 node ") for r in rows), rows
         stop = _cli("stop", address, env)
         assert "asked 3 worker(s) to drain and stop" in stop.stdout, stop.stderr
         assert worker.wait(timeout=60) == 0
@@ -69,17 +78,21 @@ def test_no_cluster_is_one_line_exit_2():
     assert r.stderr.strip().splitlines()[-1].startswith("async-grpo: error: no Ray cluster at")
 
 
-def _cli(command, address, env):
+def _cli(command, address, env, *extra):
     """`async-grpo status|stop --address ADDRESS`, output captured."""
     return subprocess.run(
-        [*CLI, command, "--address", address], env=env, capture_output=True, text=True, timeout=120
+        [*CLI, command, "--address", address, *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 def _status_rows(address, env, pool):
     r = _cli("status", address, env)
     assert r.returncode == 0, r.stderr[-2000:]
-    return [row.split() for row in r.stdout.splitlines() if row.startswith(pool)]
+    return [row.split() for row in r.stdout.splitlines() if row.strip().startswith(pool)]
 
 
 def _generation_worker(address, env, model_dir):
