@@ -38,6 +38,11 @@ def add_cluster_parsers(sub: Any) -> None:
     p.add_argument("--num-workers", type=int, default=None, help="default: from the config")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--node",
+        default=None,
+        help="the Ray node to run on: its IP or the start of its node id (default: this one)",
+    )
     p.add_argument("--config", default=None, help="YAML config for the pool's settings")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. generation.threads=2")
     p.set_defaults(func=run_worker)
@@ -79,11 +84,13 @@ def run_worker(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.mode not in NO_MODEL and args.model is None:
         args.model = cfg.model
+    from async_grpo import pools
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit, pool_subject
     from async_grpo.pools import stop_workers
     from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
     _connect(args.address)
+    pools.pin_to_node(_node_id(args.node))
     run_id = os.environ.setdefault(RUN_ID_ENV, f"worker-{uuid.uuid4().hex[:8]}")
     started = time.time()
     workers = _start(args, cfg)
@@ -114,6 +121,25 @@ def run_worker(args: argparse.Namespace) -> int:
     remove_run(run_id, since=started)
     print(f"{args.mode} workers stopped", flush=True)
     return 128 + stop["signal"] if stop["signal"] else code
+
+
+def _node_id(name: str | None) -> str:
+    """The Ray node id of `--node` (an IP or the start of a node id), or of this node."""
+    import ray
+
+    if name is None:
+        return ray.get_runtime_context().get_node_id()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    found = [
+        n["NodeID"]
+        for n in alive
+        if name == n.get("NodeManagerAddress") or n["NodeID"].startswith(name)
+    ]
+    if len(found) != 1:
+        known = ", ".join(f"{n.get('NodeManagerAddress')} ({n['NodeID'][:8]})" for n in alive)
+        what = "no" if not found else f"{len(found)}"
+        raise UserError(f"--node {name}: {what} live Ray node(s) match; the nodes: {known}")
+    return found[0]
 
 
 def _start(args: argparse.Namespace, cfg: Any, n: int | None = None) -> list[Any]:

@@ -20,6 +20,7 @@ from async_grpo.config import (
     RunConfig,
     VerifierConfig,
 )
+from async_grpo.errors import UserError
 from async_grpo.inference.types import AdapterServing
 from async_grpo.ray_utils import NAMESPACE, actor_node, registry_name
 
@@ -93,6 +94,37 @@ class Starting:
         return self.workers
 
 
+_PINNED: dict[str, str] = {}  # {"node": Ray node id} while this process pins its pools
+
+
+def pin_to_node(node_id: str | None) -> None:
+    """Every pool this process starts from now on (replacements too) runs on `node_id`:
+    Ray's node affinity, hard (never spilled elsewhere); None places them as Ray likes."""
+    _PINNED.clear()
+    if node_id is not None:
+        _PINNED["node"] = node_id
+
+
+def _placed(opts: dict[str, Any], count: int, pool: str) -> dict[str, Any]:
+    """`opts` with the pinned node's affinity, after refusing a pool that cannot fit there:
+    one line naming the node, the resource, what the pool needs and what is free."""
+    node = _PINNED.get("node")
+    if node is None:
+        return opts
+    from ray._private.state import state  # no public per-node view of free resources
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    free = state.available_resources_per_node().get(node, {})
+    for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        each = opts.get(key) or 0
+        if each and each * count > free.get(resource, 0):
+            raise UserError(
+                f"node {node[:8]}: {count} {pool} worker(s) need {each * count:g} {resource}"
+                f" ({count} x {each:g}); {free.get(resource, 0):g} free there"
+            )
+    return {**opts, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
 def _start_pool(
     cls: type,
     pool: str,
@@ -112,6 +144,7 @@ def _start_pool(
     from async_grpo.logs import actor_runtime_env
 
     ensure_registry(pool)
+    opts = _placed(opts, count, pool)
     if detached:
         opts = {**opts, "lifetime": "detached"}
     actor = ray.remote(cls)
@@ -315,7 +348,7 @@ def _start_silent_pool(
     from async_grpo.logs import actor_runtime_env
 
     registry = ensure_registry(pool)
-    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": max_concurrency}
+    opts = _placed({"num_cpus": 0, "max_concurrency": max_concurrency}, count, pool)
     if detached:
         opts["lifetime"] = "detached"
     actor = ray.remote(cls)

@@ -44,9 +44,8 @@ def test_worker_status_stop(ray_head, tiny_model_dir):
         status = _cli("status", address, env)
         assert status.returncode == 0, status.stderr
         rows = [r.strip() for r in status.stdout.splitlines()]
-        assert re.fullmatch(
-            r"127\.0\.0\.1 node [0-9a-f]{8} \(.+\): 2 worker\(s\) of logprob", rows[0]
-        )
+        node = r"\d+\.\d+\.\d+\.\d+ node [0-9a-f]{8} \(.+\)"  # the head's IP, id and host
+        assert re.fullmatch(rf"{node}: [23] worker\(s\) of logprob(, verifier)?", rows[0]), rows
         rows = [r for r in rows if r.startswith("logprob")]
         assert len(rows) == 2 and all(" 0/256 " in r for r in rows), status.stdout
         wait_for_line(verifier, "1 verifier worker(s) registered")
@@ -54,7 +53,7 @@ def test_worker_status_stop(ray_head, tiny_model_dir):
         rows = [json.loads(x) for x in status.stdout.splitlines()]
         assert sorted(r["pool"] for r in rows) == ["logprob", "logprob", "verifier"]
         assert len({r["node"] for r in rows}) == 1  # the verifier's node is its own, as theirs
-        assert all(r["node"].startswith("127.0.0.1 node ") for r in rows), rows
+        assert all(re.fullmatch(node, r["node"]) for r in rows), rows
         stop = _cli("stop", address, env)
         assert "asked 3 worker(s) to drain and stop" in stop.stdout, stop.stderr
         assert worker.wait(timeout=60) == 0
@@ -64,6 +63,30 @@ def test_worker_status_stop(ray_head, tiny_model_dir):
         verifier.kill()
     after = _cli("status", address, env)
     assert after.stdout.strip() == "no workers registered", after.stdout
+
+
+def test_a_worker_pinned_where_it_cannot_run_is_one_line_exit_2(ray_head, tiny_model_dir):
+    """`--node` naming no live node, and a pool larger than the node's free cores: one line
+    each (the nodes there are; the node, the resource, the need and what is free), exit 2,
+    before any actor is asked for."""
+    address, env = ray_head
+    base = [*CLI, "worker", "--mode", "logprob", "--model", str(tiny_model_dir)]
+    base += ["--address", address]
+    lines = []
+    for extra in (["--node", "ffffffff"], ["--num-workers", "1000"]):
+        r = subprocess.run([*base, *extra], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
+        lines.append(r.stderr.strip().splitlines()[-1])
+    assert re.fullmatch(
+        r"async-grpo: error: --node ffffffff: no live Ray node\(s\) match; the nodes:"
+        r" \d+\.\d+\.\d+\.\d+ \([0-9a-f]{8}\)",
+        lines[0],
+    ), lines[0]
+    assert re.fullmatch(
+        r"async-grpo: error: node [0-9a-f]{8}: 1000 logprob worker\(s\) need (\d+) CPU"
+        r" \(1000 x (\d+)\); \d+ free there",
+        lines[1],
+    ), lines[1]
 
 
 def test_no_cluster_is_one_line_exit_2():
