@@ -129,8 +129,12 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     under_run = bool(os.environ.get(EXIT_FILE_ENV))
-    if under_run:
+    if under_run:  # `run` checked all of it before it started Ray and torchrun
         sys.unraisablehook = _exit_on_lost_stop
+    else:  # by hand under torchrun: every rank refuses what `run` would, before Ray
+        from async_grpo.preflight import checked_before_ray
+
+        checked_before_ray(cfg, args.resume, args.address or cfg.ray_address)
     try:
         train(cfg, args.address or cfg.ray_address, args.resume, args.verbose)
     except Exception as e:
@@ -198,8 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # stop as on Ctrl-C (run.Stopped)
         signal.signal(sig, stop_on_signal)
-    model_dir = checked_before_ray(cfg, args.resume)
     address = args.address or cfg.ray_address
+    model_dir = checked_before_ray(cfg, args.resume, address)
     return run_local(
         cfg, model_dir, args.config, args.overrides, address, args.resume, args.verbose
     )

@@ -180,14 +180,15 @@ def imported_vllm_architectures() -> set[str]:
     return set(ModelRegistry.get_supported_archs())
 
 
-def checked_before_ray(cfg: RunConfig, resume: str | None) -> str:
+def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None = None) -> str:
     """Everything a run can refuse before Ray, the pools or torchrun start (preflight, the
-    prompts, a held-out set that overlaps training); the model's folder."""
+    prompts, a held-out set that overlaps training); the model's folder. `run` and `train`
+    call it alike; `address`: the cluster a run joins (its pools may be on other nodes)."""
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.models import resolve_model
     from async_grpo.preflight import preflight
 
-    if cfg.ray_address is None:  # every process on this node: no two pools share a core
+    if address is None and cfg.ray_address is None:  # all on this node: pools share no core
         from async_grpo.config_checks import validate_placement
         from async_grpo.placement import check_disjoint
 

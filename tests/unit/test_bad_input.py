@@ -350,3 +350,15 @@ def test_bad_rows_in_any_form(tmp_path, name, content, overrides, words):
 
 def test_a_hub_name_with_no_local_copy(tmp_path):
     _refused(_run(tmp_path, "data=openai/gsm8k"), "openai/gsm8k", "no hub access", "local")
+
+
+def test_the_train_command_refuses_what_run_refuses(tmp_path):
+    """`async-grpo train` by hand (each torchrun rank) checks what `run` checks, before its
+    process group and Ray: here outside torchrun, where the process group could not start,
+    a bad row is still one line, exit 2."""
+    path = tmp_path / "d.parquet"
+    _parquet(path, [{"question": "1 + 1", "answer": "2"}])
+    cmd = run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}", f"data={path}")
+    cmd[cmd.index("run")] = "train"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    _refused(r, f"{path}:1: column 'input': missing (dataset.prompt_key")
