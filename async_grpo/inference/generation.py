@@ -74,6 +74,9 @@ class GenerationWorker(RegisteredWorker):
         self._next_chunk = 0
         self.broadcast_rank: int | None = None  # this engine's first rank in a broadcast group
         self._attempt: int | None = None  # the push under way (paused), None between pushes
+        # vLLM's update session is open (start_weight_update without its finish yet); vLLM
+        # closes it itself when an update_weights call raises (gpu_worker.update_weights)
+        self._session_open = False
         self.requests_served = 0
         self.prefix_reset_failures = 0  # updates after which vLLM kept old prefix blocks
         self.last_drain_s = 0.0  # how long the last update waited for running requests
@@ -241,6 +244,7 @@ class GenerationWorker(RegisteredWorker):
         if self._attempt is not None:
             return await self._restart_update(version, timeout_s, attempt)
         drain_s = await self.push_kind.begin(self, version, timeout_s, attempt, in_flight)
+        self._session_open = True
         self._push = (version, timeout_s)
         self._arm_watchdog()
         return drain_s
@@ -266,9 +270,15 @@ class GenerationWorker(RegisteredWorker):
             self._attempt = attempt
             self._chunk_turn.notify_all()
         # close vLLM's half-done reload (layers not loaded keep their tensors), open anew;
-        # nothing is served in between: generation stays paused
+        # nothing is served in between: generation stays paused. A chunk that failed in the
+        # engine (a broadcast whose sender's group broke) closed vLLM's session but not our
+        # reload: reopen it first (the reload's set-up skips layers already set up), so that
+        # the finish below completes the half-done reload as in every other case.
+        if not self._session_open:
+            await self.engine.start_weight_update()
         await self.engine.finish_weight_update(weight_version=str(self.version))
         await self.engine.start_weight_update()
+        self._session_open = True
         self._next_chunk = 0
         self._push = (version, timeout_s)
         self._arm_watchdog()
@@ -301,6 +311,7 @@ class GenerationWorker(RegisteredWorker):
                 await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
             except Exception:
                 self._exit_if_engine_died()
+                self._session_open = False  # vLLM ended its update session on the error
                 raise
             self._next_chunk += 1
             self._arm_watchdog()  # the push's timeout holds per chunk, not for the whole push
@@ -313,6 +324,7 @@ class GenerationWorker(RegisteredWorker):
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._attempt = None
+        self._session_open = False  # the push kind's end finishes vLLM's session
         await self.push_kind.end(self, version)
         return self._update_result()
 

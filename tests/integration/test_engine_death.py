@@ -3,6 +3,8 @@
 - The engine-core process is killed (SIGKILL, as the OOM killer sends), not the actor: a
   request in flight is sent again to the other worker and completes, and the actor whose
   engine died ends, so Ray reports it dead (what `async-grpo run`'s supervisor replaces).
+- A chunk that fails inside the engine ends vLLM's update session; the push started over
+  on that worker opens it again (it used to fail: finish without a matching start).
 - A push that stops arriving mid-update (the trainer died): the worker, its weights half
   loaded, ends its process instead of staying alive out of the pool.
 """
@@ -78,8 +80,16 @@ def test_a_dead_engine_ends_its_worker_and_requests_go_elsewhere(cluster, tiny_m
         assert retried, "no request was on the worker whose engine died"
         took = _ends_within(first, 30)
         print(f"worker {names[0]['worker_id']} ended {took:.1f}s after its engine")
+        # a chunk that fails inside the engine (here: no transfer engine set up, as a
+        # broadcast whose sender's group broke) ends vLLM's update session; the push
+        # started over on this worker opens it again and finishes
+        ray.get(second.begin_update.remote(1, 120.0, 0), timeout=60)
+        with pytest.raises(ray.exceptions.RayTaskError, match="before init_weight_transfer"):
+            ray.get(second.load_chunk.remote(0, [], 0, 0, 0), timeout=60)
+        ray.get(second.begin_update.remote(1, 120.0, 1), timeout=60)
+        assert ray.get(second.end_update.remote(1), timeout=60)["version"] == 1
         # the trainer vanishes in the middle of a push: nothing after begin_update
-        ray.get(second.begin_update.remote(1, 2.0), timeout=60)
+        ray.get(second.begin_update.remote(2, 2.0), timeout=60)
         took = _ends_within(second, 30)
         print(f"abandoned push: worker ended {took:.1f}s after the push's timeout began")
     finally:
