@@ -93,15 +93,17 @@ def bind_process(cores: tuple[int, ...], where: str) -> None:
 
 
 def node_name() -> str:
-    """This node as Ray names it (its IP) where Ray runs in this process, and its host."""
+    """This node as `async-grpo status` names it (`ray_utils.node_label`) where Ray runs in
+    this process, else its host name."""
     import socket
     import sys
 
-    host = socket.gethostname()
     ray = sys.modules.get("ray")  # never imported here for this: placement stays below Ray
     if ray is not None and ray.is_initialized():
-        return f"{ray.util.get_node_ip_address()} ({host})"
-    return host
+        from async_grpo.ray_utils import node_label
+
+        return node_label()
+    return socket.gethostname()
 
 
 def process_cpus(pid: int | None = None) -> set[int]:
