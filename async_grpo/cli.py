@@ -97,7 +97,8 @@ def held_out_rows(rows: list[dict], exclude: list[str]) -> list[dict]:
 
 def _check_data(args: argparse.Namespace) -> int:
     """`data check`: a JSONL file alone against the strict schema; with --config (or any
-    other form) every row as a run reads it, prepared into the cache a run then opens."""
+    other form) every row as a run reads it (rows shaped by dataset.map prepared into the
+    cache a run then opens)."""
     if args.config is None and not args.set and str(args.input or "").endswith(".jsonl"):
         from async_grpo.data import load_prompts
 
@@ -119,7 +120,8 @@ def _check_data(args: argparse.Namespace) -> int:
         table = prepare_prompts(
             data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, dataset
         )
-        print(f"{data}: {len(table)} prompts, all valid (prepared for {cfg.model}: {table.path})")
+        kept = f"; prepared for {cfg.model}: {table.path}" if table.path != str(data) else ""
+        print(f"{data}: {len(table)} prompts, all valid{kept}")
     return 0
 
 

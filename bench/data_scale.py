@@ -5,10 +5,11 @@
 For each size it writes a parquet file of arithmetic questions (a `messages` column, as
 `async-grpo data arithmetic --messages` writes), then, each in a fresh process, measures
 what `checked_before_ray` does with it: `prepare_prompts` (read by `datasets`, every row
-checked and chat-templated, tokenized a batch at a time) up to a `PromptSampler` over the
-table and the first 64 prompts read. `cold` starts with an empty prepared-prompt cache (the
-first run on a file), `warm` reuses the file the cold start wrote (every later start,
-`--resume` included). Printed per start: seconds (wall), CPU seconds of the process (what a
+checked by the Arrow screen, the suspects and the rows near the context exactly) up to a
+`PromptSampler` over the table and the first 64 prompts read (rendered and tokenized as
+they are drawn). `cold` starts with an empty datasets cache (the first run on a file),
+`warm` reuses the Arrow files the cold start wrote (every later start, `--resume`
+included). Printed per start: seconds (wall), CPU seconds of the process (what a
 busy machine does not inflate), and peak RSS above the process's RSS once the libraries
 are imported (MB). The last line names this CPU's kind.
 """

@@ -208,10 +208,7 @@ def encode(rows: list[dict], tokenizer: Any, spec: RowSpec) -> dict[str, list]:
     opened, or the text as it is), tokenized in one call, the prefill's tokens after."""
     todo = [r for r in rows if r["input_token_ids"] is None]
     if todo and spec.chat:
-        chats = [_conversation(r, spec) for r in todo]
-        texts = tokenizer.apply_chat_template(
-            chats, add_generation_prompt=True, tokenize=False, **spec.template_kwargs
-        )
+        texts = _rendered(todo, tokenizer, spec)
         ids = tokenizer(texts, add_special_tokens=False).input_ids
     elif todo:
         texts = [r["text"] for r in todo]
@@ -242,7 +239,34 @@ def encode(rows: list[dict], tokenizer: Any, spec: RowSpec) -> dict[str, list]:
     }
 
 
-def _conversation(row: dict, spec: RowSpec) -> list[dict[str, str]]:
+def _rendered(rows: list[dict], tokenizer: Any, spec: RowSpec) -> list[str]:
+    """The rows through the chat template in one call; a row the template refuses (its
+    own `raise_exception`, e.g. roles that must alternate) is one `DataError` naming it."""
+
+    def render(chats: list) -> list[str]:
+        return tokenizer.apply_chat_template(
+            chats, add_generation_prompt=True, tokenize=False, **spec.template_kwargs
+        )
+
+    chats = [conversation(r, spec) for r in rows]
+    try:
+        return render(chats)
+    except Exception:  # find the row: the template's own words, first line
+        for r, chat in zip(rows, chats, strict=True):
+            try:
+                render([chat])
+            except Exception as e:
+                message = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise DataError(
+                    f"{spec.where}:{r['row']}: column '{r['prompt_name']}': the model's chat"
+                    f" template refuses these messages: {message}"
+                ) from None
+        raise
+
+
+def conversation(row: dict, spec: RowSpec) -> list[dict[str, str]]:
+    """The messages a row is rendered as: its own, or its text as one user turn, after
+    `dataset.system_prompt` where the row has no system message of its own."""
     messages = row["messages"] or [{"role": "user", "content": row["text"]}]
     if spec.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": spec.system_prompt}, *messages]

@@ -1,15 +1,19 @@
-"""Prepared prompts: every row of a dataset checked and tokenized once, kept on disk.
+"""Prompts by index from any dataset, every row checked before the run.
 
-`prepare_table` reads the rows (data/forms.py), checks and tokenizes them a batch at a time
-with the fast tokenizer (data/rows.py) and writes the result as one Arrow file in the
-`datasets` cache, named by a hash of everything that shapes it (the source's fingerprint,
-the tokenizer's files, the `dataset` settings, the format and the context length): a second
-start with the same inputs opens the file instead of tokenizing again.
+`prepare_table` reads the rows (data/forms.py) and checks every one before a run starts:
+- rows read by column name (`dataset.prompt_key`, `dataset.answer_key`) are screened by
+  Arrow (data/screen.py): the suspects and the rows that might not fit the context get the
+  exact check in Python (data/rows.py); the table is the source itself (`SourceTable`), a
+  prompt rendered and tokenized when it is drawn. A million rows are ready in seconds.
+- rows shaped by `dataset.map` go through the function, are checked and tokenized a batch
+  at a time and written once as an Arrow file in the `datasets` cache, named by a hash of
+  everything that shapes it (the source's fingerprint, the tokenizer's files, the settings,
+  the map function's source): a second start opens that file (`PromptTable`).
 
-`PromptTable` is that file as a read-only sequence of `Prompt`s, memory-mapped: `table[i]`
-reads row i, `len(table)` is the row count, and it pickles as its path (a Ray actor that
-receives it opens the same file). The sampler, the curriculum and exact resume address
-prompts by index, so they work the same on any form and any size.
+Both are read-only sequences of `Prompt`s: `table[i]` reads row i, `len(table)` is the row
+count, and they pickle as their arguments (a Ray actor that receives one opens the same
+rows). The sampler, the curriculum and exact resume address prompts by index, so they work
+the same on any form and any size.
 """
 
 from __future__ import annotations
@@ -49,18 +53,26 @@ class PromptTable:
             start, stop, step = index.indices(self._len)
             if start != 0 or step != 1:
                 raise TypeError("a PromptTable slices as [:n] only")
-            return PromptTable(self.path, self.source, stop)
+            return self._head(stop)
         if not -self._len <= index < self._len:
             raise IndexError(f"prompt {index} of {self._len}")
-        r = self.rows[index % self._len]
-        return Prompt(
-            input=r["input"],
-            answer=json.loads(r["answer"]),
-            input_token_ids=r["input_token_ids"],
-            metadata=json.loads(r["metadata"]),
-            line=r["row"],
-            prefill=r["prefill"],
-        )
+        return self._read(index % self._len)
+
+    def _read(self, index: int) -> Prompt:
+        return _prompt(self.rows[index])
+
+    def _head(self, n: int) -> PromptTable:
+        return PromptTable(self.path, self.source, n)
+
+    def texts(self) -> Any:
+        """Each prompt's text (`Prompt.input`) as a pyarrow array, without reading the rows."""
+        return self.column("input")
+
+    def gives_ids(self) -> Any:
+        """Whether any prompt came with its own token ids (no rendered text)."""
+        import pyarrow.compute as pc
+
+        return bool(pc.any(pc.equal(self.column("rendered"), "")).as_py())
 
     def __iter__(self) -> Iterator[Prompt]:
         return (self[i] for i in range(self._len))
@@ -76,24 +88,101 @@ class PromptTable:
         return f"PromptTable({self.source or self.path}, {self._len} prompts)"
 
 
-def prepare_table(
-    path: str | Path,
-    model_dir: str | Path,
-    max_model_len: int,
-    format: str = "chat",
-    dataset: DatasetConfig | None = None,
-) -> PromptTable:
-    """Every row of `path` checked and tokenized (or the file a previous call wrote for the
-    same inputs); the first bad row raises a one-line `DataError` (`FILE:ROW: column 'x'`)."""
-    from transformers import AutoTokenizer
+class SourceTable(PromptTable):
+    """The source's own rows as prompts (checked whole by `prepare_table` before the run),
+    each rendered and tokenized when it is read: nothing is prepared ahead or written.
+    Pickles as its arguments; the process that unpickles it opens the same rows."""
 
-    from async_grpo.config import DatasetConfig
-    from async_grpo.data.forms import open_rows
+    def __init__(
+        self,
+        path: str | Path,
+        model_dir: str | Path,
+        max_model_len: int,
+        format: str,
+        dataset: DatasetConfig,
+        limit: int | None = None,
+    ) -> None:
+        from async_grpo.data.forms import open_rows
+
+        self.args = (str(path), str(model_dir), max_model_len, format, dataset)
+        self.path = self.source = str(path)
+        self.limit, self._tokenizer = limit, None
+        self.rows = open_rows(path, dataset.split)
+        self.spec = row_spec(path, dataset, format, max_model_len)
+        self._len = len(self.rows) if limit is None else min(limit, len(self.rows))
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.args[1])
+        return self._tokenizer
+
+    def _read(self, index: int) -> Prompt:
+        from async_grpo.data.rows import encode, source_rows
+
+        rows = source_rows(self.rows[index : index + 1], [index], self.spec)
+        return _prompt({k: v[0] for k, v in encode(rows, self.tokenizer, self.spec).items()})
+
+    def _head(self, n: int) -> PromptTable:
+        return SourceTable(*self.args, limit=n)
+
+    def texts(self) -> Any:
+        """The prompt column's text, or each conversation's last user turn."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        column = self.rows.data.column(self.spec.prompt_key).slice(0, self._len)
+        column = column.combine_chunks()
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            return column
+        flat = pc.list_flatten(column)
+        parents = pc.list_parent_indices(column).to_numpy()
+        user = np.flatnonzero(pc.fill_null(pc.equal(pc.struct_field(flat, "role"), "user"), False))
+        last = np.full(len(column), -1)
+        last[parents[user]] = user  # in order: the last user turn of each row stays
+        content = pc.struct_field(flat, "content")
+        return pc.take(content, pa.array(last, mask=last < 0))
+
+    def gives_ids(self) -> bool:
+        names = self.rows.column_names
+        if "input_token_ids" not in names:
+            return False
+        return self.rows.data.column("input_token_ids").null_count < len(self.rows)
+
+    def column(self, name: str) -> Any:
+        if name == "row":
+            import pyarrow as pa
+
+            return pa.chunked_array([pa.array(range(1, self._len + 1), pa.int64())])
+        return self.rows.data.column(name).slice(0, self._len)
+
+    def __reduce__(self) -> tuple:
+        return (SourceTable, (*self.args, self.limit))
+
+    def __repr__(self) -> str:
+        return f"SourceTable({self.source}, {self._len} prompts)"
+
+
+def _prompt(r: dict[str, Any]) -> Prompt:
+    """A prepared row (the columns `rows.encode` makes) as a `Prompt`."""
+    return Prompt(
+        input=r["input"],
+        answer=json.loads(r["answer"]),
+        input_token_ids=list(r["input_token_ids"]),
+        metadata=json.loads(r["metadata"]),
+        line=r["row"],
+        prefill=r["prefill"],
+    )
+
+
+def row_spec(path: str | Path, d: DatasetConfig, format: str, max_model_len: int) -> Any:
+    """The `dataset` settings that shape each row, as `rows.RowSpec`."""
     from async_grpo.data.rows import RowSpec, import_map
 
-    d = dataset or DatasetConfig()
-    source = open_rows(path, d.split)
-    spec = RowSpec(
+    return RowSpec(
         where=str(path),
         prompt_key=d.prompt_key,
         answer_key=d.answer_key,
@@ -104,20 +193,68 @@ def prepare_table(
         template_kwargs=dict(d.chat_template_kwargs),
         max_model_len=max_model_len,
     )
+
+
+def prepare_table(
+    path: str | Path,
+    model_dir: str | Path,
+    max_model_len: int,
+    format: str = "chat",
+    dataset: DatasetConfig | None = None,
+) -> PromptTable:
+    """Every row of `path` checked; the first bad row raises a one-line `DataError`
+    (`FILE:ROW: column 'x'`). Rows read by column name are screened by Arrow
+    (data/screen.py) and become a `SourceTable`; rows shaped by `dataset.map` go through
+    the function, are tokenized and are written once (a `PromptTable` of that file)."""
+    from transformers import AutoTokenizer
+
+    from async_grpo.config import DatasetConfig
+    from async_grpo.data.forms import open_rows
+
+    d = dataset or DatasetConfig()
+    source = open_rows(path, d.split)
+    spec = row_spec(path, d, format, max_model_len)
     if len(source) == 0:
         raise DataError(f"{path}: no prompts (the dataset is empty)")
     if spec.map_fn is None:
         _check_columns(path, source, spec)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if spec.chat and not tokenizer.chat_template:
+        raise DataError(
+            f"model {model_dir}: no chat template for prompt_format: chat; set"
+            " prompt_format=plain to use the prompts as plain text (base models)"
+        )
+    if spec.map_fn is None:
+        _check_rows(source, tokenizer, spec)
+        return SourceTable(path, model_dir, max_model_len, format, d)
     out = _cache_dir() / f"prompts-{_key(source, model_dir, max_model_len, format, d)}.arrow"
     if not out.is_file():
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if spec.chat and not tokenizer.chat_template:
-            raise DataError(
-                f"model {model_dir}: no chat template for prompt_format: chat; set"
-                " prompt_format=plain to use the prompts as plain text (base models)"
-            )
         _write(source, tokenizer, spec, out)
     return PromptTable(out, str(path))
+
+
+def _check_rows(source: Any, tokenizer: Any, spec: Any) -> None:
+    """Every row screened by Arrow; the suspects, and the rows that might not fit the
+    context, checked (and rendered and tokenized) exactly, in order."""
+    import numpy as np
+
+    from async_grpo.data.forms import not_utf8
+    from async_grpo.data.rows import encode, source_rows
+    from async_grpo.data.screen import screen
+
+    if source._indices is not None:  # a selection of rows: the screen reads whole columns
+        source = source.flatten_indices()
+    suspect, bound = screen(source.data.table, spec, tokenizer)
+    if spec.max_model_len:
+        suspect |= bound >= spec.max_model_len
+    todo = np.flatnonzero(suspect)
+    for k in range(0, len(todo), BATCH_ROWS):
+        indices = todo[k : k + BATCH_ROWS].tolist()
+        try:
+            rows = source_rows(source[indices], indices, spec)
+        except UnicodeDecodeError:  # Arrow holds the bytes as they were: name the row
+            raise not_utf8(spec.where, source, indices) from None
+        encode(rows, tokenizer, spec)
 
 
 def _check_columns(path: str | Path, source: Any, spec: Any) -> None:

@@ -30,6 +30,16 @@ def _tokenizer(model):
     return AutoTokenizer.from_pretrained(model)
 
 
+def with_template(model_dir, out, template):
+    """A copy of the model folder whose chat template is `template` (a .jinja file)."""
+    shutil.copytree(model_dir, out)
+    (out / "chat_template.jinja").write_text(template)
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(settings))
+    return out
+
+
 def _rows(prompt_key="question", answer_key="solution"):
     return [
         {prompt_key: q, answer_key: a, "source": "unit", "level": i}
@@ -191,16 +201,13 @@ def test_system_prompt_and_template_kwargs_reach_the_template(tmp_path, tiny_mod
     assert text.startswith("<|im_start|>system\nAnswer with a number only.<|im_end|>")
     assert "SmolLM" not in text  # the template's default system turn is replaced
     # a template that reads a keyword, as Qwen3's reads enable_thinking
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)
-    (model / "chat_template.jinja").write_text(
+    model = with_template(
+        tiny_model_dir,
+        tmp_path / "model",
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
         "{% endfor %}<|im_start|>assistant\n"
-        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}",
     )
-    settings = json.loads((model / "tokenizer_config.json").read_text())
-    settings.pop("chat_template", None)
-    (model / "tokenizer_config.json").write_text(json.dumps(settings))
     think = _tokenizer(model).decode(_prepare(path, model)[0].input_token_ids)
     off = _prepare(path, model, chat_template_kwargs={"enable_thinking": False})
     assert not think.endswith("</think>\n")
@@ -251,12 +258,20 @@ def test_the_table_is_lazy_and_pickles_as_its_path(tmp_path, tiny_model_dir):
         table[3000]
 
 
-def test_a_second_start_reads_the_prepared_file(tmp_path, tiny_model_dir):
-    path = _write("parquet", tmp_path, _rows("input", "answer"))
-    first = _prepare(path, tiny_model_dir)
-    assert _prepare(path, tiny_model_dir).path == first.path
-    assert _prepare(path, tiny_model_dir, system_prompt="x").path != first.path
+def test_a_second_start_reads_the_prepared_file(tmp_path, tiny_model_dir, monkeypatch):
+    """Rows shaped by `dataset.map` are prepared once per source, model and settings; rows
+    read by column name are the source itself, so an edited file reads as edited."""
+    (tmp_path / "unit_map.py").write_text(MAP_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{**r, "question": {"text": r["question"]}} for r in _rows() if r["level"] != 2]
+    path = _write("parquet", tmp_path, rows)
+    first = _prepare(path, tiny_model_dir, map="unit_map:to_prompt")
+    assert _prepare(path, tiny_model_dir, map="unit_map:to_prompt").path == first.path
+    other = _prepare(path, tiny_model_dir, map="unit_map:to_prompt", system_prompt="x")
+    assert other.path != first.path
     rows = _rows("input", "answer")
+    _write("parquet", tmp_path, rows)
+    assert _prepare(path, tiny_model_dir)[0].input == QUESTIONS[0]
     rows[0]["input"] = "What is 3 + 3?"
     _write("parquet", tmp_path, rows)
     assert _prepare(path, tiny_model_dir)[0].input == "What is 3 + 3?"
