@@ -18,6 +18,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cluster_command(command: str, address: str, env: dict, *extra: str):
+    """`async-grpo status|stop --address ADDRESS ...`, run to its end, output captured."""
+    import subprocess
+
+    return subprocess.run(
+        [*CLI, command, "--address", address, *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def run_command(config: str, *overrides: str) -> list[str]:
     """`python -m async_grpo.cli run configs/<config> <overrides...>`."""
     return [

@@ -38,6 +38,7 @@ LONGEST_FIRST = [
     "test_signals.py",
     "test_trainer_crash.py",
     "test_eval_in_run.py",
+    "test_two_nodes.py",
 ]
 
 

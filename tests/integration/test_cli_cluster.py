@@ -1,68 +1,14 @@
 """`async-grpo worker / status / stop` against a real `ray start --head` cluster."""
 
-import json
 import os
 import re
 import subprocess
 import time
 
 import pytest
-from _cli import CLI, REPO, free_port, run_command, wait_for_line
+from _cli import CLI, REPO, cluster_command, free_port, run_command, wait_for_line
 
 pytestmark = pytest.mark.integration
-
-
-def test_worker_status_stop(ray_head, tiny_model_dir):
-    address, env = ray_head
-    worker = subprocess.Popen(
-        [
-            *CLI,
-            "worker",
-            "--mode",
-            "logprob",
-            "--model",
-            str(tiny_model_dir),
-            "--num-workers",
-            "2",
-            "--address",
-            address,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    verifier = subprocess.Popen(
-        [*CLI, "worker", "--mode", "verifier", "--address", address],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        wait_for_line(worker, "2 logprob worker(s) registered")
-        status = _cli("status", address, env)
-        assert status.returncode == 0, status.stderr
-        rows = [r.strip() for r in status.stdout.splitlines()]
-        node = r"\d+\.\d+\.\d+\.\d+ node [0-9a-f]{8} \(.+\)"  # the head's IP, id and host
-        assert re.fullmatch(rf"{node}: [23] worker\(s\) of logprob(, verifier)?", rows[0]), rows
-        rows = [r for r in rows if r.startswith("logprob")]
-        assert len(rows) == 2 and all(" 0/256 " in r for r in rows), status.stdout
-        wait_for_line(verifier, "1 verifier worker(s) registered")
-        status = _cli("status", address, env, "--json")
-        rows = [json.loads(x) for x in status.stdout.splitlines()]
-        assert sorted(r["pool"] for r in rows) == ["logprob", "logprob", "verifier"]
-        assert len({r["node"] for r in rows}) == 1  # the verifier's node is its own, as theirs
-        assert all(re.fullmatch(node, r["node"]) for r in rows), rows
-        stop = _cli("stop", address, env)
-        assert "asked 3 worker(s) to drain and stop" in stop.stdout, stop.stderr
-        assert worker.wait(timeout=60) == 0
-        assert verifier.wait(timeout=60) == 0
-    finally:
-        worker.kill()
-        verifier.kill()
-    after = _cli("status", address, env)
-    assert after.stdout.strip() == "no workers registered", after.stdout
 
 
 def test_a_worker_pinned_where_it_cannot_run_is_one_line_exit_2(ray_head, tiny_model_dir):
@@ -101,19 +47,8 @@ def test_no_cluster_is_one_line_exit_2():
     assert r.stderr.strip().splitlines()[-1].startswith("async-grpo: error: no Ray cluster at")
 
 
-def _cli(command, address, env, *extra):
-    """`async-grpo status|stop --address ADDRESS`, output captured."""
-    return subprocess.run(
-        [*CLI, command, "--address", address, *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def _status_rows(address, env, pool):
-    r = _cli("status", address, env)
+    r = cluster_command("status", address, env)
     assert r.returncode == 0, r.stderr[-2000:]
     return [row.split() for row in r.stdout.splitlines() if row.strip().startswith(pool)]
 
@@ -188,7 +123,7 @@ def test_second_run_on_a_live_cluster_then_a_late_worker(ray_head, tiny_model_di
         # the late one loaded the second run's final checkpoint (version 2, saved after its
         # last push), never a full-model object
         assert sorted((row[2], row[3]) for row in rows) == [("0/64", "1"), ("0/64", "2")], rows
-        stop = _cli("stop", address, env)
+        stop = cluster_command("stop", address, env)
         assert "asked 2 worker(s) to drain and stop" in stop.stdout, stop.stdout + stop.stderr
     finally:
         for w in workers:
