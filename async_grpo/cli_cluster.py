@@ -86,7 +86,7 @@ def run_worker(args: argparse.Namespace) -> int:
         args.model = cfg.model
     from async_grpo import pools
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit, pool_subject
-    from async_grpo.pools import stop_workers
+    from async_grpo.pools import NodeLost, stop_workers
     from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
     _connect(args.address)
@@ -112,7 +112,7 @@ def run_worker(args: argparse.Namespace) -> int:
             time.sleep(1.0)
             for line in supervisor.check():
                 print(line, flush=True)
-    except RestartLimit as e:
+    except (RestartLimit, NodeLost) as e:
         print(str(e), flush=True)
         code = 1
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stop undisturbed

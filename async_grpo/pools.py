@@ -38,11 +38,13 @@ def worker_ids(prefix: str, count: int) -> list[str]:
 def ensure_registry(
     pool: str, heartbeat_timeout_s: float = 30.0, lease_grace_s: float = 10.0
 ) -> Any:
-    """The pool's named registry actor, created if absent (detached: it outlives drivers).
-    An existing registry keeps the settings it was created with."""
+    """The pool's named registry actor, created if absent (detached: it outlives drivers;
+    on the head node: it outlives any other node). An existing registry keeps the settings
+    it was created with."""
     import ray
 
     from async_grpo.inference.registry import LeastLoadedRegistry
+    from async_grpo.ray_utils import on_head_node
 
     return (
         ray.remote(LeastLoadedRegistry)
@@ -53,6 +55,7 @@ def ensure_registry(
             lifetime="detached",
             num_cpus=0,
             max_concurrency=1000,
+            **on_head_node(),
         )
         .remote(pool, heartbeat_timeout_s, lease_grace_s)
     )
@@ -94,6 +97,10 @@ class Starting:
         return self.workers
 
 
+class NodeLost(RuntimeError):
+    """The node this process pins its pools to left the cluster (one line)."""
+
+
 _PINNED: dict[str, str] = {}  # {"node": Ray node id} while this process pins its pools
 
 
@@ -111,9 +118,14 @@ def _placed(opts: dict[str, Any], count: int, pool: str) -> dict[str, Any]:
     node = _PINNED.get("node")
     if node is None:
         return opts
+    import ray
     from ray._private.state import state  # no public per-node view of free resources
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    known = {n["NodeID"]: n for n in ray.nodes()}
+    if not known.get(node, {}).get("Alive"):
+        ip = known.get(node, {}).get("NodeManagerAddress", "?")
+        raise NodeLost(f"node {ip} ({node[:8]}) is gone: no {pool} worker can start there")
     free = state.available_resources_per_node().get(node, {})
     for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
         each = opts.get(key) or 0

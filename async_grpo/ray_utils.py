@@ -60,6 +60,32 @@ def connect(
     return {}
 
 
+def gone_errors() -> tuple[type[BaseException], ...]:
+    """What a call to an actor raises when the actor died or cannot be reached: Ray raises
+    ActorUnavailableError (not a RayActorError) for an actor on a node that was lost until
+    it declares the node dead, then ActorDiedError. A request to the actor is then lost:
+    it goes to another worker."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return (RayActorError, ActorUnavailableError)
+
+
+def on_head_node() -> dict[str, Any]:
+    """Actor options that place it on the head node (every cluster has its
+    `node:__internal_head__` resource): a registry there outlives any other node."""
+    return {"resources": {"node:__internal_head__": 0.001}}
+
+
+def on_this_node() -> dict[str, Any]:
+    """Actor options that place it on the calling process's node (hard affinity): a run's
+    batcher and evaluator live and die with trainer rank 0, not with a worker node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
 def registry_name(pool: str) -> str:
     return f"registry:{pool}"
 

@@ -104,7 +104,7 @@ class EpisodeRunner:
         on_retry: Any = None,
     ) -> list[ScoredSample]:
         """`n` episodes of `prompt` (advantage 0.0: the caller sets it)."""
-        from ray.exceptions import RayActorError
+        from async_grpo.ray_utils import gone_errors
 
         task = Task(prompt.input, prompt.answer, dict(prompt.metadata))
         env = self.clients["environment"]
@@ -115,7 +115,7 @@ class EpisodeRunner:
             made = handle.acquire.remote([task] * n, group, hold_s + self.timeout_s)
             try:
                 ids = await self._ask(made, f"acquire {n} instances")
-            except RayActorError as e:  # dead: the group goes to another worker
+            except gone_errors() as e:  # dead or lost: the group goes to another worker
                 await env.drop(worker_id, f"died: {type(e).__name__}")
                 raise PoolUnavailable(f"environment worker {worker_id} died") from None
             except BaseException:  # gave up (a timeout, a cancel): what it makes is released
@@ -164,11 +164,11 @@ class EpisodeRunner:
 
     async def _release(self, env: Any, worker_id: str, handle: Any, ids: list[str]) -> None:
         """Release the instances, never raising (a failure would hide why the group ended)."""
-        from ray.exceptions import RayActorError
+        from async_grpo.ray_utils import gone_errors
 
         try:
             await self._ask(handle.release.remote(ids), f"release {len(ids)} instances")
-        except RayActorError as e:  # the worker died: its instances died with it
+        except gone_errors() as e:  # the worker died or was lost: its instances with it
             await env.drop(worker_id, f"died: {type(e).__name__}")
         except Exception as e:
             self.release_failures += 1
@@ -184,7 +184,7 @@ class EpisodeRunner:
         min_version: int,
         on_retry: Any,
     ) -> _Episode:
-        from ray.exceptions import RayActorError
+        from async_grpo.ray_utils import gone_errors
 
         ep, ids = _Episode(), list(prompt.input_token_ids)
         max_len = self.cfg.generation.max_model_len
@@ -212,7 +212,7 @@ class EpisodeRunner:
                 ep.error = e.reason
             except TimeoutError:
                 ep.error = "timeout"
-            except RayActorError:
+            except gone_errors():
                 ep.error = "died"
             ep.steps += 1
             ep.step_s += time.monotonic() - t0

@@ -49,7 +49,7 @@ class EvalHook(TrainingHook):
 
         from async_grpo.evaluation.runner import Evaluator
         from async_grpo.logs import actor_runtime_env
-        from async_grpo.ray_utils import NAMESPACE
+        from async_grpo.ray_utils import NAMESPACE, on_this_node
 
         self.ctx, self.t0 = ctx, time.perf_counter()
         if self.start_step and self._logged(ctx, self.start_step):  # resumed: once per version
@@ -63,6 +63,7 @@ class EvalHook(TrainingHook):
                 num_cpus=0,
                 max_concurrency=100,
                 runtime_env=actor_runtime_env(None, logs, "evaluator"),
+                **on_this_node(),
             )
             .remote(self.cfg.eval, self.cfg.generation.max_new_tokens, self.prompts)
         )

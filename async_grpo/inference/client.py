@@ -111,7 +111,7 @@ class PoolClient:
         `min_version` or newer; `on_retry()` is called each time the request is sent again
         because its worker died. A `background` call (evaluation) is leased only while no
         other call waits for room in the pool."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+        from async_grpo.ray_utils import gone_errors
 
         await self.connect()
         last: Exception | None = None
@@ -131,7 +131,7 @@ class PoolClient:
                 )
                 try:
                     return await self._call_worker(handle, worker_id, method, args, kwargs)
-                except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+                except gone_errors() as e:
                     last = e
                     self.retries += 1
                     if on_retry is not None:
@@ -168,7 +168,7 @@ class PoolClient:
 
     async def _ask_registry(self, ref: Any, what: str, wait_s: float = 0.0) -> Any:
         """Await a registry call: bounded, and a dead registry is named as such."""
-        from ray.exceptions import RayActorError
+        from async_grpo.ray_utils import gone_errors
 
         limit = wait_s + REGISTRY_TIMEOUT_S
         try:
@@ -177,7 +177,7 @@ class PoolClient:
             raise PoolUnavailable(
                 f"pool {self.pool!r}: its registry did not answer {what} within {limit:.0f}s"
             ) from None
-        except RayActorError as e:
+        except gone_errors() as e:
             raise PoolUnavailable(
                 f"pool {self.pool!r}: its registry is gone ({type(e).__name__}) during {what}"
             ) from None

@@ -156,9 +156,18 @@ class LeastLoadedRegistry:
 
     async def drop(self, worker_id: str, reason: str) -> None:
         """Remove a worker a caller found dead; its leases vanish with it."""
+        node = self._node(worker_id)
         if self._forget(worker_id):
-            self.dropped[worker_id] = reason
+            self.dropped[worker_id] = reason + node
             await self._notify()
+
+    async def lost(self) -> dict[str, str]:
+        """The workers dropped and not back: id -> why, and on which node."""
+        return dict(self.dropped)
+
+    def _node(self, worker_id: str) -> str:
+        w = self._workers.get(worker_id)
+        return f" (node {w.node})" if w is not None and w.node else ""
 
     async def farewell(self, worker_id: str, line: str) -> None:
         """A worker about to end its own process says why (`line`: what it ran did, e.g.
@@ -293,7 +302,7 @@ class LeastLoadedRegistry:
         """Workers without heartbeats (verifiers) are pinged every heartbeat_timeout_s / 3;
         a dead one is dropped, so a run that crashed leaves no dead entry behind. Plain
         handles (tests without Ray) are not probed."""
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
         while True:
             await asyncio.sleep(self.heartbeat_timeout_s / 3)
@@ -305,8 +314,8 @@ class LeastLoadedRegistry:
                     await asyncio.wait_for(ready.remote(), timeout=self.heartbeat_timeout_s)
                 except RayActorError as e:
                     await self.drop(wid, f"actor died ({type(e).__name__})")
-                except TimeoutError:  # alive but busy: probed again next round
-                    pass
+                except (TimeoutError, ActorUnavailableError):  # busy, or its node unreachable
+                    pass  # probed again next round; Ray declares a lost node's actors dead
 
     def _end_lease(self, lease_id: str, reclaimed: str | None) -> None:
         le = self._leases.pop(lease_id)
@@ -327,8 +336,9 @@ class LeastLoadedRegistry:
             self._end_lease(lid, "expired")
         for wid, w in list(self._workers.items()):
             if w.heartbeats and now - w.last_heartbeat > self.heartbeat_timeout_s:
+                node = self._node(wid)
                 self._forget(wid)
-                self.dropped[wid] = f"no heartbeat for {now - w.last_heartbeat:.0f}s"
+                self.dropped[wid] = f"no heartbeat for {now - w.last_heartbeat:.0f}s{node}"
 
     async def _notify(self) -> None:
         async with self._changed:

@@ -59,7 +59,7 @@ class PoolSupervisor:
     def check(self) -> list[str]:
         """Restart the dead workers (at most every CHECK_EVERY_S); returns one line each."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
         if time.monotonic() - self._last < CHECK_EVERY_S:
             return []
@@ -70,8 +70,8 @@ class PoolSupervisor:
                 try:
                     ray.get(w.ping.remote(), timeout=PING_TIMEOUT_S)
                     continue
-                except GetTimeoutError:
-                    continue
+                except (GetTimeoutError, ActorUnavailableError):
+                    continue  # busy, or its node unreachable: Ray says which in a while
                 except RayActorError:
                     pass
                 self.restarts += 1

@@ -102,7 +102,7 @@ def setup_batcher(
     from async_grpo.batcher.batcher import ExperienceBatcher
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.logs import actor_runtime_env
-    from async_grpo.ray_utils import NAMESPACE
+    from async_grpo.ray_utils import NAMESPACE, on_this_node
 
     name = f"batcher:{os.path.abspath(cfg.output_dir)}"
     if rank == 0:
@@ -115,6 +115,7 @@ def setup_batcher(
             num_cpus=0,
             max_concurrency=1000,
             runtime_env=actor_runtime_env(None, logs, "batcher"),
+            **on_this_node(),  # with rank 0, never on a worker node that can be lost
         )
         handle = actor.remote(cfg, prompts, world)
     dist.barrier()

@@ -258,7 +258,9 @@ class WeightPusher:
         """The registered workers that answer; a dead one is dropped from its registry (it
         may be restarting). With none, wait up to `worker_wait_s` for one to register."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError
+
+        from async_grpo.ray_utils import gone_errors
 
         deadline = time.monotonic() + self.worker_wait_s
         while True:
@@ -267,7 +269,7 @@ class WeightPusher:
                 for wid, h in ray.get(reg.handles.remote(), timeout=60).items():
                     try:
                         ray.get(h.ping.remote(), timeout=60)
-                    except RayActorError:
+                    except gone_errors():  # dead, or on a lost node
                         ray.get(reg.drop.remote(wid, "dead at a weight push"), timeout=60)
                         continue
                     except GetTimeoutError:
@@ -277,9 +279,14 @@ class WeightPusher:
             if live:
                 return live
             if time.monotonic() > deadline:
+                lost = {}
+                for reg in self.registries.values():
+                    lost |= ray.get(reg.lost.remote(), timeout=60)
+                gone = "; ".join(f"{w}: {why}" for w, why in lost.items()) or "none"
                 raise TimeoutError(
                     f"no live workers in pool(s) {list(self.registries)} to push to for"
-                    f" {self.worker_wait_s:.0f}s; start some (async-grpo worker --mode generation)"
+                    f" {self.worker_wait_s:.0f}s (dropped: {gone}); start some"
+                    " (async-grpo worker --mode generation)"
                 )
             time.sleep(2.0)
 
@@ -368,7 +375,9 @@ class WeightPusher:
         group (unless `allow_lost`): at once, without waiting for the others, with
         `stop_on_broken`."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayTaskError
+
+        from async_grpo.ray_utils import gone_errors
 
         owner = {ref: wid for wid, ref in refs.items()}
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -384,7 +393,7 @@ class WeightPusher:
             wid = owner[ref]
             try:
                 answers[wid] = ray.get(ref)
-            except RayActorError:
+            except gone_errors():  # dead, or on a lost node
                 if self._lose(wid, what) == "broadcast":
                     broken.append(wid)
             except RayTaskError:

@@ -138,13 +138,15 @@ def test_dead_and_silent_workers_are_dropped():
     async def run():
         reg = LeastLoadedRegistry("logprob", heartbeat_timeout_s=0.05)
         await reg.register("a", "h", capacity=4, version=0)
-        await reg.register("v", "h", capacity=4, version=0, heartbeats=False)
+        b = "10.0.0.7 node 3f2a9b1c (gpu-b)"  # as the worker names its node
+        await reg.register("v", "h", capacity=4, version=0, node=b, heartbeats=False)
         await asyncio.sleep(0.1)
         _, wid, _ = await reg.lease(1, timeout_s=1)  # "a" missed its heartbeat
         assert wid == "v" and "no heartbeat" in reg.dropped["a"]
         assert await reg.heartbeat("a", 0) is False  # told to register again
         await reg.drop("v", "died during logprobs")
-        with pytest.raises(PoolUnavailable, match="no live workers"):
+        assert (await reg.lost())["v"] == f"died during logprobs (node {b})"
+        with pytest.raises(PoolUnavailable, match=r"no live workers.*\(node 10.0.0.7 node 3f2a"):
             await reg.lease(1, timeout_s=0.1)
 
     asyncio.run(run())
