@@ -50,8 +50,8 @@ DESCRIPTIONS: dict[str, str] = {
     " placement cannot use it). See [weight-sync.md](weight-sync.md)",
     "data": "the prompts: a JSONL, JSON, Parquet or CSV file, a folder of parquet shards, or"
     " a folder written by `Dataset.save_to_disk`, read by the `datasets` library (columns"
-    " as `dataset` says; [data.md](data.md)); prompts without token ids are tokenized at"
-    " start-up as `prompt_format` says",
+    " as `dataset` says; [data.md](data.md)); every row is checked at start-up, and a prompt"
+    " without token ids is tokenized as `prompt_format` says when it is drawn",
     "prompt_format": "`chat`: each prompt is a user turn (or its list of messages) in the"
     " model's chat template (a model without one is refused at start-up); `plain`: the text"
     " as it is, for base models (R1-Zero-style prompts); message prompts are refused",
