@@ -133,7 +133,7 @@ class HttpEnvironment(Environment):
             self._post("/close", {"session": session})
 
 
-class _Refusal(Exception):
+class Refusal(Exception):
     """A request answered with `status` and {"error": message}."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -245,55 +245,37 @@ class EnvironmentServer:
             )
         try:
             return _answer(200, await route(await self._body(request)))
-        except _Refusal as r:
+        except Refusal as r:
             response = _answer(r.status, {"error": r.message})
             if r.status in (408, 413):
                 response.force_close()  # the rest of the body is not read
             return response
 
     def _authorised(self, request: web.Request) -> bool:
-        if self.token is None:
-            return True
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        return hmac.compare_digest(given, f"Bearer {self.token}".encode())
+        return authorised(request, self.token)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        if (request.content_length or 0) > MAX_BODY_BYTES:
-            raise _Refusal(413, f"body of {request.content_length} bytes is over {MAX_BODY_BYTES}")
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _Refusal(413, f"body is over {MAX_BODY_BYTES} bytes") from None
-        except TimeoutError:
-            raise _Refusal(408, f"body not received within {self.timeout_s:g}s") from None
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError as e:
-            raise _Refusal(400, f"body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise _Refusal(400, f"body is a JSON {type(body).__name__}, expected an object")
-        return body
+        return await json_body(request, MAX_BODY_BYTES, self.timeout_s)
 
     async def _reset(self, body: dict[str, Any]) -> dict[str, Any]:
         fields = body.get("task")
         if not isinstance(fields, dict):
-            raise _Refusal(400, '/reset: expected {"task": {"input", "answer", "metadata"}}')
+            raise Refusal(400, '/reset: expected {"task": {"input", "answer", "metadata"}}')
         try:
             task = Task(**fields)
         except TypeError as e:
-            raise _Refusal(400, f"/reset: bad task: {e}") from None
+            raise Refusal(400, f"/reset: bad task: {e}") from None
         if len(self.sessions) >= self.max_sessions:
-            raise _Refusal(
+            raise Refusal(
                 503,
                 f"session cap reached: {len(self.sessions)} open, --max-sessions is"
                 f" {self.max_sessions}; close sessions or raise the cap",
             )
         session_id = body.get("session") or uuid.uuid4().hex  # the client's own id, if sent
         if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
-            raise _Refusal(400, f"/reset: session id {session_id!r}: expected {SESSION_ID.pattern}")
+            raise Refusal(400, f"/reset: session id {session_id!r}: expected {SESSION_ID.pattern}")
         if session_id in self.sessions:
-            raise _Refusal(409, f"/reset: session {session_id!r} exists already")
+            raise Refusal(409, f"/reset: session {session_id!r} exists already")
         session = _Session()
         async with session.lock:
             self.sessions[session_id] = session  # holds its place against the cap
@@ -311,18 +293,18 @@ class EnvironmentServer:
     async def _step(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id, action = body.get("session"), body.get("action")
         if not isinstance(action, str):
-            raise _Refusal(400, f"/step: action is {type(action).__name__}, expected a string")
+            raise Refusal(400, f"/step: action is {type(action).__name__}, expected a string")
         session = self._session(session_id)
         session.last_used = time.monotonic()
         async with session.lock:
             if self.sessions.get(session_id) is not session:
-                raise _Refusal(404, f"session {session_id!r} was closed")
+                raise Refusal(404, f"session {session_id!r} was closed")
             result = await self._call(session.env.step, action)
             session.last_used = time.monotonic()
         try:
             return asdict(checked(result, f"{self.env_cls.__name__}.step"))
         except ValueError as e:
-            raise _Refusal(500, f"{type(e).__name__}: {e}") from None
+            raise Refusal(500, f"{type(e).__name__}: {e}") from None
 
     async def _close(self, body: dict[str, Any]) -> dict[str, Any]:
         session_id = body.get("session")
@@ -340,7 +322,7 @@ class EnvironmentServer:
         """The live session `session_id`'s record (404 if none)."""
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None or session.env is None:
-            raise _Refusal(404, f"unknown session {session_id!r}")
+            raise Refusal(404, f"unknown session {session_id!r}")
         return session
 
     async def _call(self, fn: Any, *args: Any) -> Any:
@@ -353,7 +335,7 @@ class EnvironmentServer:
                 out = await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
             return await out if inspect.isawaitable(out) else out
         except Exception as e:
-            raise _Refusal(500, f"{type(e).__name__}: {e}") from None
+            raise Refusal(500, f"{type(e).__name__}: {e}") from None
 
     async def _close_quietly(self, env: Environment | None) -> None:
         """Close `env` within `timeout_s`; a failure is counted and logged, not raised."""
@@ -362,9 +344,9 @@ class EnvironmentServer:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._call(env.close)
-        except (_Refusal, TimeoutError) as e:
+        except (Refusal, TimeoutError) as e:
             self.close_failures += 1
-            why = e.message if isinstance(e, _Refusal) else f"took over {self.timeout_s:g}s"
+            why = e.message if isinstance(e, Refusal) else f"took over {self.timeout_s:g}s"
             _log.warning("env-server: %s.close() failed: %s", self.env_cls.__name__, why)
 
     async def _sweep(self) -> None:
@@ -378,6 +360,35 @@ class EnvironmentServer:
             closing = [self.sessions.pop(k).env for k in idle]
             self.expired += len(idle)
             await asyncio.gather(*(self._close_quietly(env) for env in closing))
+
+
+def authorised(request: web.Request, token: str | None) -> bool:
+    """Whether the request sends `Authorization: Bearer <token>` (any request, without one)."""
+    if token is None:
+        return True
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
+async def json_body(request: web.Request, max_bytes: int, timeout_s: float) -> dict[str, Any]:
+    """The request's body as a JSON object; `Refusal` 413 over `max_bytes`, 408 not sent
+    within `timeout_s`, 400 not a JSON object."""
+    if (request.content_length or 0) > max_bytes:
+        raise Refusal(413, f"body of {request.content_length} bytes is over {max_bytes}")
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise Refusal(413, f"body is over {max_bytes} bytes") from None
+    except TimeoutError:
+        raise Refusal(408, f"body not received within {timeout_s:g}s") from None
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise Refusal(400, f"body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise Refusal(400, f"body is a JSON {type(body).__name__}, expected an object")
+    return body
 
 
 def _answer(status: int, body: dict[str, Any]) -> web.Response:

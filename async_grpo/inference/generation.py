@@ -149,6 +149,7 @@ class GenerationWorker(RegisteredWorker):
             temperature=s.temperature,
             top_p=s.top_p,
             seed=s.seed,
+            stop=list(s.stop) or None,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

@@ -26,6 +26,7 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # strings that end a completion (not in its text)
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""One rollout's tokens as the OpenAI endpoint served them, never re-tokenized from text.
+
+A harness sends the whole conversation with every request, the model's earlier replies as
+text. The trainer must see the tokens the sampler produced, not a re-tokenization of that
+text (prime-rl#1352, verl#6719: templates and tokenizers do not round-trip). `Trajectory`
+keeps, per rollout:
+
+- the text the endpoint has served so far (the first prompt as the chat template rendered
+  it, each reply as its sampled tokens decode, each new stretch of context as rendered);
+- the token ids behind that text: the first prompt's, then each turn's new context (the
+  tool results, the next user message, the template's own tokens: `mask` False) and each
+  sampled reply (`mask` True, with the sampler's log-probs and the version per token).
+
+A new request is rendered whole; when that text starts with the served text, only the rest
+is tokenized and appended, and the model generates from the kept ids. When it does not (a
+template that rewrites earlier turns, a harness that edits or drops history), the episode
+so far is closed as one sample and a new one starts from the new rendering: a prefix break,
+counted, never a silent re-tokenization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Segment:
+    """A stretch of one rollout that trains as one sample: the prompt ids, then the ids
+    after it with their mask, log-probs (0.0 where masked) and versions per token."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    truncated: bool = False  # its last reply ended at its token limit
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+
+class Trajectory:
+    """The segments of one rollout; `render(messages, tools)` is the chat template's text
+    for a conversation with the assistant's turn opened."""
+
+    def __init__(self, tokenizer: Any, render: Any) -> None:
+        self.tokenizer, self.render = tokenizer, render
+        self.segments: list[Segment] = []
+        self.served = ""  # the text behind the current segment's ids
+        self.prefix_breaks = 0
+
+    def context_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The ids to generate the next reply from: the kept ids plus the new context's,
+        or a new segment after a prefix break."""
+        text = self.render(messages, tools)
+        if self.segments and text.startswith(self.served):
+            rest = text[len(self.served) :]
+            ids = self._ids(rest) if rest else []
+            seg = self.segments[-1]
+            last = seg.token_versions[-1] if seg.token_versions else 0
+            seg.ids += ids
+            seg.mask += [False] * len(ids)
+            seg.logprobs += [0.0] * len(ids)
+            seg.token_versions += [last] * len(ids)
+            self.served = text
+            return seg.context()
+        if self.segments:
+            self.prefix_breaks += 1
+        self.segments.append(Segment(prompt_ids=self._ids(text)))
+        self.served = text
+        return self.segments[-1].prompt_ids
+
+    def record(
+        self, token_ids: list[int], logprobs: list[float], versions: list[int], truncated: bool
+    ) -> str:
+        """A reply sampled from `context_ids`' ids; returns its text as served (special
+        tokens kept: the next rendering must reproduce them to keep the prefix)."""
+        seg = self.segments[-1]
+        seg.ids += token_ids
+        seg.mask += [True] * len(token_ids)
+        seg.logprobs += logprobs
+        seg.token_versions += versions
+        seg.turns += 1
+        seg.truncated = truncated
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        self.served += text
+        return text
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)

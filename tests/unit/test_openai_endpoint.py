@@ -1,0 +1,201 @@
+"""The OpenAI endpoint (environments/endpoint.py) with the real `openai` client over a real
+socket, the real SmolLM2 tokenizer and chat template, vLLM's own request model and tool
+parser. The pool behind it is scripted: it answers with the token ids of a scripted reply,
+so what the trajectory keeps can be checked id by id."""
+
+import asyncio
+import json
+
+import pytest
+
+from async_grpo.environments.endpoint import OpenAIEndpoint
+from async_grpo.inference.types import Completion, SamplingSettings
+
+openai = pytest.importorskip("openai")
+
+TOKEN = "t" * 32
+MODEL = "policy"
+RUN = SamplingSettings(max_new_tokens=64, temperature=1.0, top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class Pool:
+    """Answers each request with the next scripted reply (its ids, then EOS), version 3,
+    log-prob -0.5 a token; keeps what it was asked."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.asked = tokenizer, list(replies), []
+
+    async def generate(self, ids, n, sampling):
+        self.asked.append((list(ids), sampling))
+        text = self.replies.pop(0)
+        reply = self.tokenizer(text, add_special_tokens=False).input_ids
+        reply = reply[: sampling.max_new_tokens - 1] + [self.tokenizer.eos_token_id]
+        return [Completion(reply, [-0.5] * len(reply), text, "stop", 3)]
+
+
+def _serve(tokenizer, replies, run, **options):
+    """`run(endpoint, client, pool)` against a started endpoint, in one event loop."""
+    pool = Pool(tokenizer, replies)
+
+    async def main():
+        ep = OpenAIEndpoint(pool.generate, tokenizer, MODEL, RUN, 2048, token=TOKEN, **options)
+        await ep.start()
+        try:
+            return await run(ep, pool)
+        finally:
+            await ep.stop()
+
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def _client(url, token=TOKEN):
+    return openai.AsyncOpenAI(base_url=url, api_key=token, max_retries=0, timeout=20)
+
+
+def test_two_turns_are_token_exact(tokenizer):
+    """The second request carries the first reply as text; the pool is asked for the kept
+    ids (the first prompt's, the sampled reply's, then the new turn's), and the rollout's
+    one sample has the sampled tokens trained and the rest masked."""
+
+    async def run(ep, pool):
+        rid, url = ep.open()
+        client = _client(url)
+        first = [{"role": "user", "content": "What is 2 + 2?"}]
+        a = await client.chat.completions.create(model=MODEL, messages=first, logprobs=True)
+        assert a.choices[0].message.content == "It is 4."
+        n = len(tokenizer("It is 4.", add_special_tokens=False).input_ids) + 1  # and EOS
+        assert [t.logprob for t in a.choices[0].logprobs.content] == [-0.5] * n
+        second = [
+            *first,
+            {"role": "assistant", "content": a.choices[0].message.content},
+            {"role": "user", "content": "And 3 + 3?"},
+        ]
+        b = await client.chat.completions.create(model=MODEL, messages=second, max_tokens=8)
+        assert b.choices[0].message.content == "6"
+        assert pool.asked[1][1].max_new_tokens == 8  # narrowed
+        traj = ep.close(rid)
+        return traj, pool
+
+    traj, pool = _serve(tokenizer, ["It is 4.", "6"], run)
+    (seg,) = traj.segments
+    prompt, reply = pool.asked[0][0], tokenizer("It is 4.", add_special_tokens=False).input_ids
+    assert seg.prompt_ids == prompt
+    assert pool.asked[1][0][: len(prompt) + len(reply) + 1] == [
+        *prompt,
+        *reply,
+        tokenizer.eos_token_id,
+    ]
+    assert seg.context() == pool.asked[1][0] + seg.ids[len(pool.asked[1][0]) - len(prompt) :]
+    assert sum(seg.mask) == len(reply) + 1 + 2  # both replies with their EOS
+    trained = [t for t, m in zip(seg.ids, seg.mask, strict=True) if m]
+    assert trained == [*reply, tokenizer.eos_token_id, *tokenizer("6").input_ids, 2]
+    assert all(lp == -0.5 for lp, m in zip(seg.logprobs, seg.mask, strict=True) if m)
+    assert set(seg.token_versions) == {3} and traj.prefix_breaks == 0
+    rendered = tokenizer.decode(pool.asked[1][0])
+    assert rendered.endswith("<|im_start|>user\nAnd 3 + 3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_an_edited_history_is_a_new_sample(tokenizer):
+    async def run(ep, pool):
+        rid, url = ep.open()
+        client = _client(url)
+        first = [{"role": "user", "content": "What is 2 + 2?"}]
+        await client.chat.completions.create(model=MODEL, messages=first)
+        edited = [
+            {"role": "user", "content": "What is 2 + 2, please?"},  # the harness rewrote it
+            {"role": "assistant", "content": "It is 4."},
+            {"role": "user", "content": "And 3 + 3?"},
+        ]
+        await client.chat.completions.create(model=MODEL, messages=edited)
+        return ep.close(rid)
+
+    traj = _serve(tokenizer, ["It is 4.", "6"], run)
+    assert traj.prefix_breaks == 1 and len(traj.segments) == 2
+    assert [s.turns for s in traj.segments] == [1, 1]
+
+
+def test_what_the_loss_assumes_cannot_be_changed(tokenizer):
+    async def run(ep, pool):
+        rid, url = ep.open()
+        client = _client(url)
+        msgs = [{"role": "user", "content": "hi"}]
+        seen = []
+        for kwargs in (
+            {"temperature": 0.5},
+            {"top_p": 0.9},
+            {"n": 2},
+            {"frequency_penalty": 1.0},
+            {"response_format": {"type": "json_object"}},
+            {"messages": [{"role": "robot", "content": "x"}]},
+        ):
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(**{"model": MODEL, "messages": msgs, **kwargs})
+            seen.append(e.value.body["message"])
+        with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not served"):
+            await client.chat.completions.create(model="gpt-4", messages=msgs)
+        with pytest.raises(openai.NotFoundError, match="unknown rollout"):
+            await _client(url.replace(rid, "nope")).chat.completions.create(
+                model=MODEL, messages=msgs
+            )
+        with pytest.raises(openai.AuthenticationError):
+            await _client(url, "wrong").chat.completions.create(model=MODEL, messages=msgs)
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+        assert not pool.asked  # nothing refused reached the pool
+        return seen
+
+    seen = _serve(tokenizer, [], run)
+    assert seen[0] == "temperature: the run samples at 1.0; the loss assumes it"
+    assert seen[1] == "top_p: the run samples at 1.0; the loss assumes it"
+    assert seen[2].startswith("n: one reply a request")
+    assert seen[3].startswith("frequency_penalty: not served")
+    assert seen[4].startswith("response_format: not served")
+    assert seen[5].startswith("messages.0")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+
+
+def test_tool_calls_come_back_as_vllm_parses_them(tokenizer):
+    """The reply's `<tool_call>` (hermes, as Qwen's templates write it) comes back as
+    `tool_calls` with finish_reason `tool_calls`; malformed JSON inside the tags is the
+    model's text, returned as content, never an error."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+    async def run(ep, pool):
+        rid, url = ep.open()
+        client = _client(url)
+        msgs = [{"role": "user", "content": "1 + 2?"}]
+        a = await client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+        b = await client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+        c = await client.chat.completions.create(model=MODEL, messages=msgs)  # no tools
+        return a, b, c, pool
+
+    a, b, c, pool = _serve(
+        tokenizer, [call, "<tool_call>{not json</tool_call>", call], run, tool_parser="hermes"
+    )
+    (tc,) = a.choices[0].message.tool_calls
+    assert a.choices[0].finish_reason == "tool_calls"
+    assert tc.function.name == "add" and json.loads(tc.function.arguments) == {"a": 1, "b": 2}
+    assert b.choices[0].message.tool_calls is None
+    assert b.choices[0].message.content == "<tool_call>{not json</tool_call>"
+    assert c.choices[0].message.tool_calls is None and c.choices[0].finish_reason == "stop"
