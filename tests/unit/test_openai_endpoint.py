@@ -6,12 +6,11 @@ so what the trajectory keeps can be checked id by id."""
 import asyncio
 import json
 
+import openai
 import pytest
 
 from async_grpo.environments.endpoint import OpenAIEndpoint
 from async_grpo.inference.types import Completion, SamplingSettings
-
-openai = pytest.importorskip("openai")
 
 TOKEN = "t" * 32
 MODEL = "policy"
