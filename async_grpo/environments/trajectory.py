@@ -11,11 +11,17 @@ keeps, per rollout:
   tool results, the next user message, the template's own tokens: `mask` False) and each
   sampled reply (`mask` True, with the sampler's log-probs and the version per token).
 
-A new request is rendered whole; when that text starts with the served text, only the rest
-is tokenized and appended, and the model generates from the kept ids. When it does not (a
-template that rewrites earlier turns, a harness that edits or drops history), the episode
-so far is closed as one sample and a new one starts from the new rendering: a prefix break,
-counted, never a silent re-tokenization.
+A new request continues the kept ids in one of two ways:
+- it repeats the previous request's messages, then the reply as the harness got it (text
+  or `tool_calls`), then new messages: the conversation is rendered with a marker in the
+  reply's place, and what the template puts after the reply is tokenized and appended.
+  The reply's own tokens are the sampled ones, however the template would write them (a
+  tool call's JSON re-serialised with other spacing, say);
+- else, its whole rendering starts with the text served so far: only the rest is
+  tokenized and appended.
+When neither holds (a template that rewrites earlier turns, a harness that edits or drops
+history), the episode so far is closed as one sample and a new one starts from the new
+rendering: a prefix break, counted, never a silent re-tokenization.
 """
 
 from __future__ import annotations
@@ -50,27 +56,56 @@ class Trajectory:
         self.segments: list[Segment] = []
         self.served = ""  # the text behind the current segment's ids
         self.prefix_breaks = 0
+        self.asked: list[dict[str, Any]] | None = None  # the last request's messages
+        self.asked_text = ""  # their rendering, the assistant's turn opened
+        self.ended = False  # the last reply ended with the end-of-sequence token
 
     def context_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """The ids to generate the next reply from: the kept ids plus the new context's,
         or a new segment after a prefix break."""
         text = self.render(messages, tools)
-        if self.segments and text.startswith(self.served):
-            rest = text[len(self.served) :]
-            ids = self._ids(rest) if rest else []
-            seg = self.segments[-1]
-            last = seg.token_versions[-1] if seg.token_versions else 0
-            seg.ids += ids
-            seg.mask += [False] * len(ids)
-            seg.logprobs += [0.0] * len(ids)
-            seg.token_versions += [last] * len(ids)
+        after = self._after_reply(messages, tools) if self.segments else None
+        if after is None and self.segments and text.startswith(self.served):
+            after = text[len(self.served) :]
+        self.asked, self.asked_text = messages, text
+        if after is not None:
+            self._context(self._ids(after) if after else [])
             self.served = text
-            return seg.context()
+            return self.segments[-1].context()
         if self.segments:
             self.prefix_breaks += 1
         self.segments.append(Segment(prompt_ids=self._ids(text)))
         self.served = text
         return self.segments[-1].prompt_ids
+
+    def _after_reply(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> str | None:
+        """What the template writes after the last reply, when `messages` are the last
+        request's, the reply, then more; None otherwise."""
+        n = len(self.asked or [])
+        if self.asked is None or len(messages) <= n + 1 or messages[:n] != self.asked:
+            return None
+        if messages[n].get("role") != "assistant":
+            return None
+        marker = f"\x00reply-{id(self)}\x00"
+        marked = [*messages[:n], {"role": "assistant", "content": marker}, *messages[n + 1 :]]
+        try:
+            before, found, after = self.render(marked, tools).partition(marker)
+        except Exception:  # a template that takes no such turn: the text route decides
+            return None
+        if not found or before != self.asked_text or marker in after:
+            return None
+        eos = self.tokenizer.eos_token or ""
+        if self.ended and eos and after.startswith(eos):  # sampled already, with the reply
+            after = after[len(eos) :]
+        return after
+
+    def _context(self, ids: list[int]) -> None:
+        seg = self.segments[-1]
+        last = seg.token_versions[-1] if seg.token_versions else 0
+        seg.ids += ids
+        seg.mask += [False] * len(ids)
+        seg.logprobs += [0.0] * len(ids)
+        seg.token_versions += [last] * len(ids)
 
     def record(
         self, token_ids: list[int], logprobs: list[float], versions: list[int], truncated: bool
@@ -84,6 +119,7 @@ class Trajectory:
         seg.token_versions += versions
         seg.turns += 1
         seg.truncated = truncated
+        self.ended = bool(token_ids) and token_ids[-1] == self.tokenizer.eos_token_id
         text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         self.served += text
         return text

@@ -198,3 +198,57 @@ def test_tool_calls_come_back_as_vllm_parses_them(tokenizer):
     assert b.choices[0].message.tool_calls is None
     assert b.choices[0].message.content == "<tool_call>{not json</tool_call>"
     assert c.choices[0].message.tool_calls is None and c.choices[0].finish_reason == "stop"
+
+
+HERMES = (  # tool calls as Qwen's templates write them: the arguments through `tojson`
+    "{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- for tc in m.tool_calls %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    "{{- tc.function.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{{- '<|im_start|>assistant\\n' }}"
+)
+
+
+def test_a_tool_call_turn_keeps_the_sampled_tokens(tiny_model_dir, tmp_path):
+    """The model writes its call's JSON compactly; the template would write it with
+    spaces. The harness sends the call back as `tool_calls` with the tool's result: the
+    next request continues from the sampled tokens (no prefix break), with only the
+    template's text after the reply and the tool result tokenized as context."""
+    from test_data_forms import with_template
+    from transformers import AutoTokenizer
+
+    model = with_template(tiny_model_dir, tmp_path / "hermes", HERMES)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    call = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+
+    async def run(ep, pool):
+        rid, url = ep.open()
+        client = _client(url)
+        msgs = [{"role": "user", "content": "1 + 2?"}]
+        a = await client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+        (tc,) = a.choices[0].message.tool_calls
+        msgs += [
+            {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+            {"role": "tool", "tool_call_id": tc.id, "content": "3"},
+        ]
+        b = await client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+        return ep.close(rid), pool, b
+
+    traj, pool, b = _serve(tokenizer, [call, "It is 3."], run, tool_parser="hermes")
+    assert b.choices[0].message.content == "It is 3."
+    assert traj.prefix_breaks == 0 and len(traj.segments) == 1
+    first, second = pool.asked[0][0], pool.asked[1][0]
+    sampled = tokenizer(call, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    after = "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+    after += "<|im_start|>assistant\n"
+    assert second == first + sampled + tokenizer(after, add_special_tokens=False).input_ids
+    assert '{"name":"add","arguments":{"a":1,"b":2}}' in tokenizer.decode(second)
+    seg = traj.segments[0]
+    assert [t for t, m in zip(seg.ids, seg.mask, strict=True) if m][: len(sampled)] == sampled
