@@ -206,7 +206,7 @@ HERMES = (  # tool calls as Qwen's templates write them: the arguments through `
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\\n' }}"
     "{%- for tc in m.tool_calls %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' }}'
     "{{- tc.function.arguments | tojson }}{{- '}\\n</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif m.role == 'tool' %}"
