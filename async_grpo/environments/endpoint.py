@@ -4,6 +4,7 @@ An unmodified `openai` client only changes its base URL to the rollout's:
 `http://127.0.0.1:PORT/rollouts/<rollout id>/v1`. Served:
 
     POST /rollouts/<id>/v1/chat/completions   messages, tools -> a reply (tool_calls parsed)
+    POST /rollouts/<id>/v1/completions        a text prompt -> its continuation
     GET  /rollouts/<id>/v1/models, /v1/models  the one model served
 
 Every request names its rollout, and only rollouts the run opened are served (404
@@ -138,12 +139,13 @@ class OpenAIEndpoint:
                 rollout, route = None, "/".join(parts)
             if request.method == "GET" and route == "v1/models":
                 return _json(200, self._models())
-            if request.method == "POST" and route == "v1/chat/completions":
+            served = {"v1/chat/completions": self._chat, "v1/completions": self._completion}
+            if request.method == "POST" and route in served:
                 trajectory = self.rollouts.get(rollout or "")
                 if trajectory is None:
                     raise Refusal(404, f"unknown rollout {rollout!r}: the run serves its own")
                 body = await json_body(request, MAX_BODY_BYTES, self.timeout_s)
-                return _json(200, await self._chat(trajectory, body))
+                return _json(200, await served[route](trajectory, body))
             raise Refusal(404, f"{request.method} {request.path}: not served")
         except PoolUnavailable as e:  # no worker could take it in time: the client may retry
             r = Refusal(503, str(e))
@@ -164,14 +166,14 @@ class OpenAIEndpoint:
         entry = {"id": self.model, "object": "model", "created": 0, "owned_by": "async-grpo"}
         return {"object": "list", "data": [entry]}
 
-    def _request(self, body: dict[str, Any]) -> Any:
-        """The body as vLLM's ChatCompletionRequest, refused where it asks what the run
-        cannot give."""
+    def _request(self, body: dict[str, Any], kind: Any = None) -> Any:
+        """The body as vLLM's request model (`kind`; ChatCompletionRequest by default),
+        refused where it asks what the run cannot give."""
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         try:
-            req = ChatCompletionRequest.model_validate(body)
+            req = (kind or ChatCompletionRequest).model_validate(body)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(x) for x in first.get("loc", ()))
@@ -187,7 +189,7 @@ class OpenAIEndpoint:
                 raise Refusal(400, f"{name}: the run samples at {run}; the loss assumes it")
         if (req.n or 1) != 1:
             raise Refusal(400, "n: one reply a request (each sample of a group is a rollout)")
-        if req.tool_choice not in (None, "none", "auto"):
+        if getattr(req, "tool_choice", None) not in (None, "none", "auto"):
             raise Refusal(400, "tool_choice: 'auto' or 'none' (guided calls are not served)")
         return req
 
@@ -201,20 +203,8 @@ class OpenAIEndpoint:
         messages = [_message(m) for m in body["messages"]]
         tools = body.get("tools") if req.tools else None
         ids = trajectory.context_ids(messages, tools)
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise Refusal(400, f"the conversation is {len(ids)} tokens: no room to generate")
         limit = req.max_completion_tokens or req.max_tokens or self.sampling.max_new_tokens
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = replace(
-            self.sampling,
-            max_new_tokens=min(limit, self.sampling.max_new_tokens, room),
-            seed=req.seed if req.seed is not None else self.sampling.seed,
-            stop=tuple(stop),
-        )
-        (c,) = await self.generate(ids, 1, sampling)
-        versions = c.token_versions or [c.policy_version] * len(c.token_ids)
-        trajectory.record(c.token_ids, c.logprobs, versions, c.finish_reason == "length")
+        c = await self._sample(trajectory, ids, req, limit)
         content = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         finish = c.finish_reason
@@ -233,10 +223,58 @@ class OpenAIEndpoint:
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
         if req.logprobs:
             choice["logprobs"] = {"content": self._logprobs(c)}
-        n_prompt = len(ids)
+        return self._answer("chat.completion", "chatcmpl", choice, len(ids), c)
+
+    async def _completion(self, trajectory: Trajectory, body: dict[str, Any]) -> dict[str, Any]:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        req = self._request(body, CompletionRequest)
+        for name in ("echo", "suffix", "allowed_token_ids"):
+            if getattr(req, name, None):
+                raise Refusal(400, f"{name}: not served")
+        if not isinstance(req.prompt, str):
+            raise Refusal(400, "prompt: one text a request (each sample of a group is a rollout)")
+        ids = trajectory.text_ids(req.prompt)
+        c = await self._sample(trajectory, ids, req, req.max_tokens or 16)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+            "finish_reason": c.finish_reason,
+            "logprobs": None,
+        }
+        if req.logprobs is not None:
+            tokens = [t["token"] for t in self._logprobs(c)]
+            offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            choice["logprobs"] = {
+                "tokens": tokens,
+                "token_logprobs": list(c.logprobs),
+                "top_logprobs": None,
+                "text_offset": offsets,
+            }
+        return self._answer("text_completion", "cmpl", choice, len(ids), c)
+
+    async def _sample(self, trajectory: Trajectory, ids: list[int], req: Any, limit: int) -> Any:
+        """One reply from the pool for `ids`, within the request's narrowing of the run's
+        sampling; recorded in the trajectory."""
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise Refusal(400, f"the prompt is {len(ids)} tokens: no room to generate")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        sampling = replace(
+            self.sampling,
+            max_new_tokens=min(limit, self.sampling.max_new_tokens, room),
+            seed=req.seed if req.seed is not None else self.sampling.seed,
+            stop=tuple(stop),
+        )
+        (c,) = await self.generate(ids, 1, sampling)
+        versions = c.token_versions or [c.policy_version] * len(c.token_ids)
+        trajectory.record(c.token_ids, c.logprobs, versions, c.finish_reason == "length")
+        return c
+
+    def _answer(self, kind: str, prefix: str, choice: dict, n_prompt: int, c: Any) -> dict:
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],

@@ -65,16 +65,27 @@ class Trajectory:
         or a new segment after a prefix break."""
         text = self.render(messages, tools)
         after = self._after_reply(messages, tools) if self.segments else None
+        self.asked, self.asked_text = messages, text
+        return self._continue(text, after, special=False)
+
+    def text_ids(self, text: str) -> list[int]:
+        """The ids to generate from for a plain-text prompt (`/v1/completions`): the kept
+        ids when `text` starts with the served text, else a new segment (the tokenizer's
+        own BOS first, as a vLLM server tokenizes a completion prompt)."""
+        self.asked, self.asked_text = None, ""
+        return self._continue(text, None, special=True)
+
+    def _continue(self, text: str, after: str | None, special: bool) -> list[int]:
         if after is None and self.segments and text.startswith(self.served):
             after = text[len(self.served) :]
-        self.asked, self.asked_text = messages, text
         if after is not None:
             self._context(self._ids(after) if after else [])
             self.served = text
             return self.segments[-1].context()
         if self.segments:
             self.prefix_breaks += 1
-        self.segments.append(Segment(prompt_ids=self._ids(text)))
+        ids = self.tokenizer(text, add_special_tokens=special).input_ids
+        self.segments.append(Segment(prompt_ids=list(ids)))
         self.served = text
         return self.segments[-1].prompt_ids
 

@@ -28,20 +28,22 @@ class Pool:
     """Answers each request with the next scripted reply (its ids, then EOS), version 3,
     log-prob -0.5 a token; keeps what it was asked."""
 
-    def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.asked = tokenizer, list(replies), []
+    def __init__(self, tokenizer, replies, eos=True):
+        self.tokenizer, self.replies, self.asked, self.eos = tokenizer, list(replies), [], eos
 
     async def generate(self, ids, n, sampling):
         self.asked.append((list(ids), sampling))
         text = self.replies.pop(0)
         reply = self.tokenizer(text, add_special_tokens=False).input_ids
+        if not self.eos:  # cut at its token limit
+            return [Completion(reply, [-0.5] * len(reply), text, "length", 3)]
         reply = reply[: sampling.max_new_tokens - 1] + [self.tokenizer.eos_token_id]
         return [Completion(reply, [-0.5] * len(reply), text, "stop", 3)]
 
 
-def _serve(tokenizer, replies, run, **options):
-    """`run(endpoint, client, pool)` against a started endpoint, in one event loop."""
-    pool = Pool(tokenizer, replies)
+def _serve(tokenizer, replies, run, eos=True, **options):
+    """`run(endpoint, pool)` against a started endpoint, in one event loop."""
+    pool = Pool(tokenizer, replies, eos)
 
     async def main():
         ep = OpenAIEndpoint(pool.generate, tokenizer, MODEL, RUN, 2048, token=TOKEN, **options)
@@ -99,6 +101,34 @@ def test_two_turns_are_token_exact(tokenizer):
     assert set(seg.token_versions) == {3} and traj.prefix_breaks == 0
     rendered = tokenizer.decode(pool.asked[1][0])
     assert rendered.endswith("<|im_start|>user\nAnd 3 + 3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_text_prompt_continues_from_the_kept_ids(tokenizer):
+    """`/v1/completions`: a prompt that extends the served text continues the kept ids
+    (the reply's sampled tokens stay); one that does not is a new sample."""
+
+    async def run(ep, pool):
+        rid, url = ep.open()
+        client = _client(url)
+        first = "Q: 2 + 2 =\nA:"
+        a = await client.completions.create(model=MODEL, prompt=first, logprobs=1, max_tokens=8)
+        assert a.choices[0].text == " 4" and a.choices[0].finish_reason == "length"
+        n = len(tokenizer(" 4", add_special_tokens=False).input_ids)
+        assert a.choices[0].logprobs.token_logprobs == [-0.5] * n
+        second = first + a.choices[0].text + "\nQ: 3 + 3 =\nA:"
+        await client.completions.create(model=MODEL, prompt=second)
+        await client.completions.create(model=MODEL, prompt="Q: 5 + 5 =\nA:")
+        with pytest.raises(openai.BadRequestError, match="echo: not served"):
+            await client.completions.create(model=MODEL, prompt=second, echo=True)
+        return ep.close(rid), pool
+
+    traj, pool = _serve(tokenizer, [" 4", " 6", " 10"], run, eos=False)
+    first, second = pool.asked[0][0], pool.asked[1][0]
+    assert first == tokenizer("Q: 2 + 2 =\nA:").input_ids
+    reply = tokenizer(" 4", add_special_tokens=False).input_ids
+    assert second[: len(first) + len(reply)] == first + reply
+    assert pool.asked[0][1].max_new_tokens == 8 and pool.asked[1][1].max_new_tokens == 16
+    assert traj.prefix_breaks == 1 and [s.turns for s in traj.segments] == [2, 1]
 
 
 def test_an_edited_history_is_a_new_sample(tokenizer):
