@@ -111,7 +111,7 @@ def _batch(batch: Any, spec: RowSpec, shapes: Shapes) -> tuple[np.ndarray, np.nd
     if not spec.chat:
         bound = content + shapes.plain_specials
     else:
-        bound = _templated(content, keys, shapes, suspect, m)
+        bound = _templated(content, keys, shapes, suspect)
     answer = batch.column(names.index(spec.answer_key))
     suspect |= _null(answer) | _unsafe(answer)
     if "metadata" in names:
@@ -154,9 +154,10 @@ def _messages(prompt: Any, suspect: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     return suspect, content.astype(np.int64), pc.binary_join(roles, ",")
 
 
-def _templated(content: np.ndarray, keys: Any, shapes: Shapes, suspect: np.ndarray, m: int):
+def _templated(content: np.ndarray, keys: Any, shapes: Shapes, suspect: np.ndarray) -> np.ndarray:
     """Bytes of each row's rendered text: its shape's template bytes plus its content as
-    many times as the template repeats it; a row of a refused shape is a suspect."""
+    many times as the template repeats it; a row of a refused shape is made a suspect
+    (in `suspect`, in place)."""
     import pyarrow.compute as pc
 
     if keys is None:  # a string prompt: one user turn
