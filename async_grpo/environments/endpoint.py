@@ -105,9 +105,8 @@ class OpenAIEndpoint:
             app, access_log=None, keepalive_timeout=self.timeout_s, shutdown_timeout=5.0
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
-        await site.start()
-        host, port = site._server.sockets[0].getsockname()[:2]
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         return self.url
 
@@ -215,8 +214,11 @@ class OpenAIEndpoint:
                 _without_eos(c.token_ids, self.tokenizer),
                 skip_special_tokens=req.skip_special_tokens,
             )
-            found = parser.extract_tool_calls(text, req)  # the model's text: never raises
-            if found.tools_called:
+            try:
+                found = parser.extract_tool_calls(text, req)
+            except Exception:  # the model's text broke the parser: it comes back as text
+                found = None
+            if found is not None and found.tools_called:
                 message["content"] = found.content or None
                 message["tool_calls"] = [t.model_dump() for t in found.tool_calls]
                 finish = "tool_calls"
