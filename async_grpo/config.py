@@ -97,8 +97,11 @@ class VerifierConfig:
 
 @dataclass
 class EnvironmentConfig:
-    """Multi-turn episodes against an environment pool instead of one scored completion."""
+    """Multi-turn episodes instead of one scored completion: `kind: steps` against an
+    environment pool (`name`, or a server at `url`), `kind: openai` by an agent harness
+    (`rollout`) through the generation pool's OpenAI endpoint (environments/harness.py)."""
 
+    kind: Literal["steps", "openai"] = "steps"  # steps: reset/step (name, url); openai: rollout
     name: str | None = None  # None: single-turn, rewards by the verifiers; else an environment
     url: str | None = None  # server-backed: the environment's HTTP server (environments/http.py)
     num_workers: int = 1  # environment workers (Ray actors hosting the instances)
@@ -108,6 +111,15 @@ class EnvironmentConfig:
     max_observation_tokens: int = 64  # an observation longer than this is cut (counted)
     step_timeout_s: float = 10.0  # reset, step or close past this ends the episode (reward 0)
     on_error: Literal["score", "regenerate"] = "score"  # regenerate: a group with a failed episode
+    rollout: str | None = None  # kind openai: module:function, async def rollout(client, row)
+    rollout_timeout_s: float = 300.0  # a rollout past this ends with reward 0 (counted)
+    tool_parser: str | None = None  # vLLM's tool-call parser for the endpoint (e.g. hermes)
+    max_rollouts: int = 256  # rollouts open at once on the endpoint
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes (an environment or a harness) rather than scored single completions."""
+        return self.name is not None or self.kind != "steps"
 
 
 @dataclass

@@ -191,7 +191,7 @@ def validate_verifier(cfg: RunConfig) -> None:
             f"verifier.overlong: buffer {o.buffer} must be in [0, generation.max_new_tokens"
             f" = {limit}) and penalty {o.penalty} >= 0"
         )
-    if o.buffer and cfg.environment.name is not None:
+    if o.buffer and cfg.environment.multi_turn:
         raise ConfigError(
             "verifier.overlong: the penalty applies to single-turn completions; an"
             " environment scores its own episodes (give the length penalty there)"
@@ -276,6 +276,11 @@ def validate_environment(cfg: RunConfig) -> None:
     """An environment run: the names resolve, a group fits a worker, an episode fits the
     context."""
     e, g, b = cfg.environment, cfg.generation, cfg.batcher
+    if e.kind == "openai":
+        validate_harness(cfg)
+        return
+    if e.rollout is not None:
+        raise ConfigError("environment.rollout: set environment.kind: openai too (a harness)")
     if e.name is None:
         if e.url:
             raise ConfigError("environment.url: set environment.name too (what the server runs)")
@@ -302,6 +307,42 @@ def validate_environment(cfg: RunConfig) -> None:
             f"environment.max_episode_tokens: {budget} leaves no room for a prompt in"
             f" generation.max_model_len={g.max_model_len}"
         )
+
+
+def validate_harness(cfg: RunConfig) -> None:
+    """An agent-harness run: the rollout function imports, the tool parser is vLLM's, and
+    nothing of the environment pool is asked for."""
+    from async_grpo.environments.harness import load_rollout
+
+    e, b = cfg.environment, cfg.batcher
+    if e.name is not None or e.url is not None:
+        raise ConfigError(
+            "environment.name/url: a harness (environment.kind: openai) drives its own"
+            " conversation; leave them out"
+        )
+    for key in ("rollout_timeout_s", "max_rollouts"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"environment.{key}: must be > 0, got {getattr(e, key)}")
+    if b.samples_per_question > e.max_rollouts:
+        raise ConfigError(
+            f"batcher.samples_per_question: {b.samples_per_question} exceeds"
+            f" environment.max_rollouts={e.max_rollouts}"
+        )
+    if b.share_prompts:
+        raise ConfigError(
+            "batcher.share_prompts: a harness's rollouts render their own prompts (they need"
+            " not share one); leave it off with environment.kind: openai"
+        )
+    load_rollout(e.rollout)
+    if e.tool_parser is not None:
+        from vllm.tool_parsers import ToolParserManager
+
+        known = sorted(ToolParserManager.list_registered())
+        if e.tool_parser not in known:
+            raise ConfigError(
+                f"environment.tool_parser: {e.tool_parser!r} is not one of vLLM's"
+                f" ({', '.join(known)})"
+            )
 
 
 def validate_eval(cfg: RunConfig) -> None:
@@ -349,7 +390,7 @@ def validate_eval(cfg: RunConfig) -> None:
         )
     if e.rewards is not None and not e.rewards:
         raise ConfigError("eval.rewards: name at least one reward, or leave it out")
-    if cfg.environment.name is not None:
+    if cfg.environment.multi_turn:
         raise ConfigError(
             "eval.data: held-out evaluation scores single-turn completions with the verifier"
             " pool; it does not run environment episodes yet"

@@ -19,7 +19,9 @@ def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None
 
     refuse_reuse(cfg.output_dir, resume)
     resumed = find_resume(cfg.output_dir, resume) if resume else None
-    if cfg.environment.name is None:  # single-turn: the verifiers will import these
+    if cfg.environment.kind == "openai":  # the harness was imported by the config's checks
+        pass
+    elif cfg.environment.name is None:  # single-turn: the verifiers will import these
         from async_grpo.rewards.registry import get_reward
 
         for name in cfg.verifier.rewards:

@@ -417,7 +417,9 @@ def pool_starters(
         ),  # fmt: skip
     }
     counts = {"generation": cfg.generation.num_workers}
-    if cfg.environment.name is None:  # single-turn: the verifiers score
+    if cfg.environment.kind == "openai":  # a harness scores its rollouts in the batcher
+        pass
+    elif cfg.environment.name is None:  # single-turn: the verifiers score
         starters["verifier"] = lambda n: pools.begin_verifier_workers(cfg.verifier, n, log_dir=logs)
         counts["verifier"] = cfg.verifier.num_workers
     else:  # multi-turn: the environments score

@@ -42,7 +42,7 @@ from async_grpo.batcher.channel import Channel, ChannelClosed
 from async_grpo.batcher.groups import GroupMaker
 from async_grpo.batcher.rounds import fill_round, flat_units, group_units, plan_parts
 from async_grpo.batcher.spares import Spares
-from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample
+from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample, rollouts
 from async_grpo.config import RunConfig
 from async_grpo.core.packing import packed_tokens, plan_minibatches
 from async_grpo.data import Prompt, PromptSampler
@@ -79,7 +79,7 @@ class ExperienceBatcher:
             )
         self._clients = clients
         self._turns = turns
-        self._episodes: Any = None  # an EpisodeRunner in an environment run
+        self._episodes: Any = None  # an EpisodeRunner (HarnessRunner) in an environment run
         self._maker: GroupMaker | None = None  # made in start(), once the pools are known
         self.version = -1
         self._version_changed: asyncio.Condition | None = None
@@ -132,14 +132,21 @@ class ExperienceBatcher:
             self.curriculum.load_state_dict(curriculum)
         from async_grpo.inference.client import PoolClient
 
-        env_run = self.cfg.environment.name is not None
+        e = self.cfg.environment
+        harness, env_run = e.kind == "openai", e.multi_turn
         if self._clients is None:
-            pools = ["generation", "environment" if env_run else "verifier"]
+            pools = ["generation"] + ([] if harness else ["environment" if env_run else "verifier"])
             pools += ["logprob"] if self._kl else []
             self._clients = {p: PoolClient(p) for p in pools}
             # a pool with no registry fails the start, not each group as a counted drop
             await asyncio.gather(*(c.connect() for c in self._clients.values()))
-        if env_run:
+        if harness and self._episodes is None:
+            from async_grpo.batcher.harness import HarnessRunner
+
+            tokenizer = await asyncio.to_thread(_tokenizer, self.cfg)
+            self._episodes = HarnessRunner(self.cfg, self._clients, tokenizer)
+            await self._episodes.start()
+        elif env_run and not harness:
             from async_grpo.batcher.episodes import EpisodeRunner, turn_format
 
             turns = self._turns or await asyncio.to_thread(turn_format, self.cfg)
@@ -249,6 +256,8 @@ class ExperienceBatcher:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=60)
+        if hasattr(self._episodes, "stop"):  # a harness run's endpoint
+            await self._episodes.stop()
         await self.channel.close()
 
     @property
@@ -307,7 +316,7 @@ class ExperienceBatcher:
             self.books[step]["samples/planned"] += n
             if step in self._preloaded:
                 group = self._preloaded[step][slot]
-                self.books[step]["samples/replayed"] += len(group or [])
+                self.books[step]["samples/replayed"] += rollouts(group or [])
             else:
                 group = await self._maker.find(step, slot, index)
                 group = await self.spares.redraw(
@@ -425,8 +434,8 @@ class ExperienceBatcher:
         """Book `step`, gather its statistics and send every rank its EndOfBatch."""
         samples = [s for grp in groups for s in grp]
         redraws = self.books[step].pop("groups/redraws", 0.0)  # groups, not samples
-        self.books[step]["samples/trained"] += len(samples) - len(skipped)
-        self.books[step]["samples/skipped"] += len(skipped)
+        self.books[step]["samples/trained"] += rollouts(samples) - rollouts(skipped)
+        self.books[step]["samples/skipped"] += rollouts(skipped)
         redrawn = self._redrawn.pop(step, [])
         stats = report.batch_stats(step, groups, time.monotonic() - t0, replaced + redrawn)
         stats |= report.drain_counters(self, step)
@@ -448,8 +457,9 @@ class ExperienceBatcher:
         if self.curriculum is not None:
             passing = self.cfg.batcher.curriculum_pass
             for grp in (g for g in groups + replaced + redrawn if g[0].prompt_index >= 0):
-                passed = sum(s.reward >= passing for s in grp)
-                self.curriculum.record(step, grp[0].prompt_index, passed, len(grp))
+                heads = [s for s in grp if not s.continues]
+                passed = sum(s.reward >= passing for s in heads)
+                self.curriculum.record(step, grp[0].prompt_index, passed, len(heads))
             stats |= self.curriculum.stats()
         logged = report.samples_to_log(step, groups, self.cfg)
         async with self._emitting:
@@ -488,3 +498,11 @@ class ExperienceBatcher:
                 self.counters["packed_budget"] += self.cfg.batcher.max_tokens_per_gpu
                 mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens, last, part)
                 await self.channel.put(rank, mb, max(tokens, 1), timeout_s=3600)
+
+
+def _tokenizer(cfg: RunConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    from async_grpo.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(cfg.model))

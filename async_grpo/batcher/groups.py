@@ -91,12 +91,12 @@ class GroupMaker:
 
         if self.episodes is not None:
             group = await self.episodes.group(prompt, n, sampling, step - k, reissued)
-            books["samples/generated"] += len(group)
-            books["samples/scored"] += len(group)
+            books["samples/generated"] += n
+            books["samples/scored"] += n
             if step - min(s.version for s in group) > k:
                 books["dropped/stale"] += n
                 return None
-            failed = any(s.episode["env_errors"] for s in group)
+            failed = any(s.episode and s.episode["env_errors"] for s in group)
             if failed and self.cfg.environment.on_error == "regenerate":
                 books["dropped/env_error"] += n
                 return None
@@ -121,16 +121,21 @@ class GroupMaker:
                     len(s.completion_ids), self.cfg.generation.max_new_tokens, overlong
                 )
                 s.reward += s.components["overlong"]
-        rewards = torch.tensor([s.reward for s in group], dtype=torch.float32)  # [n]
+        # one advantage a rollout: its later segments (a harness's prefix breaks) share it
+        heads = [s for s in group if not s.continues]
+        rewards = torch.tensor([s.reward for s in heads], dtype=torch.float32)  # [n]
         adv, _ = group_advantages(rewards, self.cfg.trainer.loss.advantage_std_norm)
-        refs: list[Any] = [None] * n
+        of_rollout = [-1]
+        for s in group:
+            of_rollout.append(of_rollout[-1] + (not s.continues))
+        refs: list[Any] = [None] * len(group)
         if self.kl:
             refs = await self.clients["logprob"].call(
-                n,
+                len(group),
                 "logprobs",
                 [(s.prompt_ids, s.completion_ids) for s in group],
                 on_retry=reissued,
             )
-        for s, a, r in zip(group, adv.tolist(), refs, strict=True):
-            s.advantage, s.ref_logprobs = float(a), r
+        for s, j, r in zip(group, of_rollout[1:], refs, strict=True):
+            s.advantage, s.ref_logprobs = float(adv[j]), r
         return group

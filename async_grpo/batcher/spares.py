@@ -42,7 +42,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from async_grpo.batcher.types import ScoredSample
+from async_grpo.batcher.types import ScoredSample, rollouts
 from async_grpo.config import BatcherConfig
 from async_grpo.data import PromptSampler
 
@@ -96,7 +96,7 @@ class Spares:
             )
             if fresh is None:  # a failed try, counted as its drop: the equal group stays
                 continue
-            books["dropped/redrawn"] += len(group)
+            books["dropped/redrawn"] += rollouts(group)
             redrawn.append(group)
             group = fresh
         return group
@@ -170,7 +170,7 @@ class Spares:
                 continue
             unequal = any(s.advantage != 0.0 for s in group)
             if task in running or not unequal or len(ready) == len(set_aside):
-                books["dropped/spare_unused"] += len(group)
+                books["dropped/spare_unused"] += rollouts(group)
             else:
                 ready.append(group)
         replaced = set_aside[: len(ready)]

@@ -127,7 +127,8 @@ def token_staleness(step: int, samples: list[ScoredSample]) -> float:
 def episode_stats(episodes: list[dict[str, float]]) -> dict[str, float]:
     """Multi-turn figures over a step's episodes: turns and environment-reported counts
     (`info/tool_calls` -> `tool_calls/mean`) per episode, the mean environment step time,
-    and the episodes that ended on an environment error, by reason."""
+    and the episodes that ended on an environment error, by reason; for a harness's
+    rollouts, their mean seconds and the prefix breaks (endpoint.py)."""
     total = lambda key: sum(e.get(key, 0.0) for e in episodes)  # noqa: E731
     steps = total("env_steps")
     out = {
@@ -137,6 +138,9 @@ def episode_stats(episodes: list[dict[str, float]]) -> dict[str, float]:
         "env/observations_cut": total("observation_cut"),
         "env/observations_not_unicode": total("observation_not_unicode"),
     }
+    if any("rollout_s" in e for e in episodes):  # a harness's rollouts
+        out["env/rollout_time"] = total("rollout_s") / len(episodes)
+        out["env/prefix_breaks"] = total("prefix_breaks")
     for key in sorted({k for e in episodes for k in e}):
         if key.startswith("info/"):
             out[f"{key[5:]}/mean"] = total(key) / len(episodes)

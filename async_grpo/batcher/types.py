@@ -18,7 +18,9 @@ class ScoredSample:
     (their `logprobs` are the sampler's) and False at the environment's (log-prob 0.0, no
     loss); `episode` holds its per-episode figures (turns, tool calls, errors) for metrics.
     `token_versions` (None: all `version`) is the version that sampled each completion token
-    when a weight update came while it was generated.
+    when a weight update came while it was generated. A harness rollout whose prefix broke
+    trains as several samples; the ones after its first have `continues` set (the books
+    count rollouts, and the group advantage is the rollout's).
     """
 
     prompt_ids: list[int]
@@ -35,6 +37,7 @@ class ScoredSample:
     prompt_index: int = -1  # which prompt of the data (the curriculum's records)
     reason: str = ""  # the verifier's reason for the reward
     token_versions: list[int] | None = None  # per completion token, after an in-flight update
+    continues: bool = False  # a later segment of the same rollout (after a prefix break)
 
     def to_log(self, step: int) -> dict:
         """This sample for `samples.jsonl` (token ids; trainer rank 0 decodes them)."""
@@ -73,6 +76,11 @@ class ScoredSample:
         if self.completion_mask is None:
             return len(self.completion_ids)
         return sum(self.completion_mask)
+
+
+def rollouts(samples: list[ScoredSample]) -> int:
+    """How many rollouts `samples` hold (a harness's later segments are not counted)."""
+    return sum(not s.continues for s in samples)
 
 
 @dataclass

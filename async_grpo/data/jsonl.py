@@ -28,6 +28,7 @@ class Prompt:
     metadata: dict[str, Any] = field(default_factory=dict)
     line: int = 0  # 1-based line in the source file, for error messages
     prefill: str = ""  # text the model's turn starts with (part of the prompt, not sampled)
+    messages: list[dict[str, Any]] | None = None  # the conversation rendered (chat rows)
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"input": self.input, "answer": self.answer}

@@ -235,6 +235,7 @@ def encode(rows: list[dict], tokenizer: Any, spec: RowSpec) -> dict[str, list]:
         "answer": [r["answer"] for r in rows],
         "metadata": [r["metadata"] for r in rows],
         "prefill": [r["prefill"] for r in rows],
+        "messages": [json.dumps(conversation(r, spec)) if spec.chat else "" for r in rows],
         "row": [r["row"] for r in rows],
     }
 

@@ -30,7 +30,7 @@ from async_grpo.data.jsonl import DataError, Prompt
 if TYPE_CHECKING:
     from async_grpo.config import DatasetConfig
 
-PREPARED_VERSION = 1  # bump when the prepared columns or their meaning change
+PREPARED_VERSION = 2  # bump when the prepared columns or their meaning change
 BATCH_ROWS = 1000
 TOKENIZER_FILES = ("tokenizer", "chat_template", "special_tokens", "vocab", "merges", "added")
 
@@ -175,6 +175,7 @@ def _prompt(r: dict[str, Any]) -> Prompt:
         metadata=json.loads(r["metadata"]),
         line=r["row"],
         prefill=r["prefill"],
+        messages=json.loads(r["messages"]) if r.get("messages") else None,
     )
 
 
@@ -284,6 +285,7 @@ def _write(source: Any, tokenizer: Any, spec: Any, out: Path) -> None:
             "answer": Value("string"),
             "metadata": Value("string"),
             "prefill": Value("string"),
+            "messages": Value("string"),
             "row": Value("int64"),
         }
     )

@@ -94,6 +94,7 @@ class OpenAIEndpoint:
         self.max_rollouts, self.timeout_s = max_rollouts, timeout_s
         self.parser = _tool_parser(tool_parser) if tool_parser else None
         self.rollouts: dict[str, Trajectory] = {}
+        self._backends: dict[str, Generate] = {}  # a rollout's own `generate`, where given
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -115,16 +116,22 @@ class OpenAIEndpoint:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, rollout_id: str | None = None) -> tuple[str, str]:
-        """A new rollout: its id and the base URL its client uses."""
+    def open(
+        self, rollout_id: str | None = None, generate: Generate | None = None
+    ) -> tuple[str, str]:
+        """A new rollout: its id and the base URL its client uses. `generate`: the
+        rollout's own backend (its group's seeds, versions), else the endpoint's."""
         if len(self.rollouts) >= self.max_rollouts:
             raise Refusal(429, f"{self.max_rollouts} rollouts are open (max_rollouts)")
         rollout_id = rollout_id or uuid.uuid4().hex
         self.rollouts[rollout_id] = Trajectory(self.tokenizer, self._render)
+        if generate is not None:
+            self._backends[rollout_id] = generate
         return rollout_id, f"{self.url}/rollouts/{rollout_id}/v1"
 
     def close(self, rollout_id: str) -> Trajectory:
         """The rollout's tokens; its URL is served no more."""
+        self._backends.pop(rollout_id, None)
         return self.rollouts.pop(rollout_id)
 
     async def _handle(self, request: web.Request) -> web.Response:
@@ -144,7 +151,8 @@ class OpenAIEndpoint:
                 if trajectory is None:
                     raise Refusal(404, f"unknown rollout {rollout!r}: the run serves its own")
                 body = await json_body(request, MAX_BODY_BYTES, self.timeout_s)
-                return _json(200, await served[route](trajectory, body))
+                generate = self._backends.get(rollout or "", self.generate)
+                return _json(200, await served[route](trajectory, generate, body))
             raise Refusal(404, f"{request.method} {request.path}: not served")
         except PoolUnavailable as e:  # no worker could take it in time: the client may retry
             r = Refusal(503, str(e))
@@ -192,7 +200,9 @@ class OpenAIEndpoint:
             raise Refusal(400, "tool_choice: 'auto' or 'none' (guided calls are not served)")
         return req
 
-    async def _chat(self, trajectory: Trajectory, body: dict[str, Any]) -> dict[str, Any]:
+    async def _chat(
+        self, trajectory: Trajectory, generate: Generate, body: dict[str, Any]
+    ) -> dict[str, Any]:
         req = self._request(body)
         for i, m in enumerate(body["messages"]):
             if m.get("role") not in ROLES:
@@ -202,8 +212,9 @@ class OpenAIEndpoint:
         messages = [_message(m) for m in body["messages"]]
         tools = body.get("tools") if req.tools else None
         ids = trajectory.context_ids(messages, tools)
-        limit = req.max_completion_tokens or req.max_tokens or self.sampling.max_new_tokens
-        c = await self._sample(trajectory, ids, req, limit)
+        # `max_tokens` read from the body: vLLM's model warns on reading its deprecated field
+        limit = req.max_completion_tokens or body.get("max_tokens") or self.sampling.max_new_tokens
+        c = await self._sample(trajectory, generate, ids, req, limit)
         content = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         finish = c.finish_reason
@@ -227,7 +238,9 @@ class OpenAIEndpoint:
             choice["logprobs"] = {"content": self._logprobs(c)}
         return self._answer("chat.completion", "chatcmpl", choice, len(ids), c)
 
-    async def _completion(self, trajectory: Trajectory, body: dict[str, Any]) -> dict[str, Any]:
+    async def _completion(
+        self, trajectory: Trajectory, generate: Generate, body: dict[str, Any]
+    ) -> dict[str, Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         req = self._request(body, CompletionRequest)
@@ -237,7 +250,7 @@ class OpenAIEndpoint:
         if not isinstance(req.prompt, str):
             raise Refusal(400, "prompt: one text a request (each sample of a group is a rollout)")
         ids = trajectory.text_ids(req.prompt)
-        c = await self._sample(trajectory, ids, req, req.max_tokens or 16)
+        c = await self._sample(trajectory, generate, ids, req, req.max_tokens or 16)
         choice: dict[str, Any] = {
             "index": 0,
             "text": self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
@@ -255,7 +268,9 @@ class OpenAIEndpoint:
             }
         return self._answer("text_completion", "cmpl", choice, len(ids), c)
 
-    async def _sample(self, trajectory: Trajectory, ids: list[int], req: Any, limit: int) -> Any:
+    async def _sample(
+        self, trajectory: Trajectory, generate: Generate, ids: list[int], req: Any, limit: int
+    ) -> Any:
         """One reply from the pool for `ids`, within the request's narrowing of the run's
         sampling; recorded in the trajectory."""
         room = self.max_model_len - len(ids)
@@ -268,7 +283,7 @@ class OpenAIEndpoint:
             seed=req.seed if req.seed is not None else self.sampling.seed,
             stop=tuple(stop),
         )
-        (c,) = await self.generate(ids, 1, sampling)
+        (c,) = await generate(ids, 1, sampling)
         versions = c.token_versions or [c.policy_version] * len(c.token_ids)
         trajectory.record(c.token_ids, c.logprobs, versions, c.finish_reason == "length")
         return c

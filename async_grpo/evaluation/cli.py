@@ -91,7 +91,7 @@ def eval_config(args: argparse.Namespace) -> Any:
     cfg.eval = replace(cfg.eval, **{k: v for k, v in flags.items() if v is not None})
     if args.samples is not None and args.pass_k is None:
         cfg.eval.pass_k = sorted({1, args.samples})
-    cfg.environment.name = None  # eval scores single-turn completions
+    cfg.environment.name, cfg.environment.kind = None, "steps"  # eval scores single turns
     validate(cfg)
     return cfg
 

@@ -1,0 +1,231 @@
+"""Groups of agent-harness rollouts (`environment.kind: openai`), driven by the batcher.
+
+The batcher's process serves the generation pool over the OpenAI API on loopback
+(environments/endpoint.py); each of a group's G rollouts gets a URL of its own and runs
+the user's `rollout(client, row)` in a thread of its own (environments/harness.py). Every
+request of a rollout goes to the pool through the batcher's client with the group's
+bounds (the oldest version it may use, a seed per sample and turn), and its tokens are
+kept as the pool sampled them. When the rollout returns, its trajectory becomes samples:
+one per segment (a prefix break starts a new one, `continues` set), each with the
+rollout's reward. A rollout that raised, hung or returned garbage scores 0 with a counted
+reason, as an environment episode does; a group in which some rollout never asked the
+model for anything fails as a whole (an environment error, tried again like one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from async_grpo.batcher.types import ScoredSample
+from async_grpo.config import RunConfig
+from async_grpo.data import Prompt
+from async_grpo.environments.endpoint import OpenAIEndpoint
+from async_grpo.environments.harness import (
+    STUCK_LIMIT,
+    THREAD_SLACK_S,
+    BadOutput,
+    drive,
+    load_rollout,
+    reward_of,
+)
+from async_grpo.environments.pool import EnvironmentFailed
+from async_grpo.environments.trajectory import Trajectory
+from async_grpo.inference.types import SamplingSettings
+
+LOGGED_ERRORS = 20  # distinct rollout errors printed to the log; the rest are counted
+
+
+class HarnessStuck(RuntimeError):
+    """Rollout threads that blocked past their timeout reached STUCK_LIMIT."""
+
+
+class HarnessRunner:
+    """Runs groups of rollouts of `environment.rollout` against the run's endpoint."""
+
+    def __init__(self, cfg: RunConfig, clients: dict[str, Any], tokenizer: Any) -> None:
+        e, g = cfg.environment, cfg.generation
+        self.cfg, self.clients = cfg, clients
+        self.rollout = load_rollout(e.rollout)
+        self.timeout_s = e.rollout_timeout_s
+        self.token = secrets.token_hex(16)
+        self.endpoint = OpenAIEndpoint(
+            self._generate,
+            tokenizer,
+            model=os.path.basename(str(cfg.model).rstrip("/")) or str(cfg.model),
+            sampling=SamplingSettings(g.max_new_tokens, g.temperature, g.top_p),
+            max_model_len=g.max_model_len,
+            token=self.token,
+            tool_parser=e.tool_parser,
+            template_kwargs=dict(cfg.dataset.chat_template_kwargs),
+            max_rollouts=e.max_rollouts,
+            timeout_s=e.rollout_timeout_s,
+        )
+        self._open = asyncio.Semaphore(e.max_rollouts)
+        self._threads = ThreadPoolExecutor(e.max_rollouts + STUCK_LIMIT, "rollout")
+        self.stuck = 0  # rollout threads still running past their timeout
+        self._stuck_lock = threading.Lock()
+        self._logged: Counter[str] = Counter()
+
+    async def start(self) -> str:
+        return await self.endpoint.start()
+
+    async def stop(self) -> None:
+        await self.endpoint.stop()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _generate(self, ids: list[int], n: int, sampling: SamplingSettings) -> Any:
+        """The endpoint's default backend: never used, every rollout is opened with its own."""
+        raise EnvironmentFailed("error", "a request outside any rollout")
+
+    async def group(
+        self,
+        prompt: Prompt,
+        n: int,
+        sampling: SamplingSettings,
+        min_version: int,
+        on_retry: Any = None,
+    ) -> list[ScoredSample]:
+        """The samples of `n` rollouts of `prompt` (advantage 0.0: the caller sets it)."""
+        runs = [
+            asyncio.ensure_future(self._rollout(prompt, sampling, i, min_version, on_retry))
+            for i in range(n)
+        ]
+        try:
+            rollouts = await asyncio.gather(*runs)
+        except BaseException:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
+        silent = [why for traj, _, _, why, _ in rollouts if not _trained(traj)]
+        if silent:
+            cause = next((w for w in silent if w), "it returned without asking")
+            raise EnvironmentFailed(
+                "error",
+                f"environment.rollout {self.cfg.environment.rollout}: a rollout made no"
+                f" request to the model ({cause})",
+            )
+        samples = []
+        for traj, reward, parts, why, seconds in rollouts:
+            samples += self._samples(traj, reward, parts, why, seconds, min_version)
+        return samples
+
+    async def _rollout(
+        self, prompt: Prompt, sampling: SamplingSettings, index: int, min_version: int, on_retry
+    ) -> tuple[Trajectory, float, dict[str, float], str, float]:
+        """(trajectory, reward, named parts, error reason or "", seconds) of one rollout."""
+        turn = 0
+
+        async def generate(ids: list[int], n: int, s: SamplingSettings) -> Any:
+            nonlocal turn
+            if s.seed is None and sampling.seed is not None:  # a seed per sample and turn
+                seed = random.Random(f"{sampling.seed}:{index}:{turn}").getrandbits(31)
+                s = SamplingSettings(s.max_new_tokens, s.temperature, s.top_p, seed, s.stop)
+            turn += 1
+            return await self.clients["generation"].call(
+                1, "generate", ids, n, s, on_retry=on_retry, min_version=min_version
+            )
+
+        row = {
+            "prompt": prompt.messages if prompt.messages is not None else prompt.input,
+            "answer": prompt.answer,
+            "metadata": dict(prompt.metadata),
+            "model": self.endpoint.model,
+        }
+        async with self._open:
+            rid, url = self.endpoint.open(generate=generate)
+            t0 = time.monotonic()
+            try:
+                reward, parts, why = await self._run(url, row)
+            finally:
+                traj = self.endpoint.close(rid)
+        return traj, reward, parts, why, time.monotonic() - t0
+
+    async def _run(self, url: str, row: dict) -> tuple[float, dict[str, float], str]:
+        """The rollout in a thread of its own: (reward, parts, "") or (0, {}, reason)."""
+        job = self._threads.submit(drive, self.rollout, url, self.token, row, self.timeout_s)
+        try:
+            result = await asyncio.wait_for(
+                asyncio.wrap_future(job), self.timeout_s + THREAD_SLACK_S
+            )
+            return (*reward_of(result), "")
+        except TimeoutError:
+            if not job.done():  # its code blocks the thread: it cannot be stopped there
+                with self._stuck_lock:
+                    self.stuck += 1
+                job.add_done_callback(self._unstick)  # in the rollout's thread, when it ends
+                if self.stuck >= STUCK_LIMIT:
+                    raise HarnessStuck(
+                        f"environment.rollout {self.cfg.environment.rollout}: {self.stuck}"
+                        " rollouts blocked their threads past environment.rollout_timeout_s"
+                        f" ({self.timeout_s:g} s); a harness must await, not block"
+                    ) from None
+            return 0.0, {}, "timeout"
+        except BadOutput as e:
+            self._log("bad_output", str(e))
+            return 0.0, {}, "bad_output"
+        except Exception as e:
+            self._log("error", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            return 0.0, {}, "error"
+
+    def _unstick(self, _: Any) -> None:
+        with self._stuck_lock:
+            self.stuck -= 1
+
+    def _log(self, reason: str, message: str) -> None:
+        if len(self._logged) < LOGGED_ERRORS and message not in self._logged:
+            print(f"batcher: a rollout ended in {reason}: {message}", flush=True)
+        self._logged[message] += 1
+
+    def _samples(
+        self,
+        traj: Trajectory,
+        reward: float,
+        parts: dict[str, float],
+        why: str,
+        seconds: float,
+        min_version: int,
+    ) -> list[ScoredSample]:
+        segments = [s for s in traj.segments if any(s.mask)]
+        figures = {
+            "turns": float(sum(s.turns for s in segments)),
+            "env_errors": float(bool(why)),
+            "prefix_breaks": float(traj.prefix_breaks),
+            "rollout_s": seconds,
+        }
+        if why:
+            figures[f"env_errors/{why}"] = 1.0
+        out = []
+        for k, seg in enumerate(segments):
+            last = max(i for i, m in enumerate(seg.mask) if m) + 1  # no trailing context
+            versions = [v for v, m in zip(seg.token_versions, seg.mask, strict=True) if m]
+            out.append(
+                ScoredSample(
+                    list(seg.prompt_ids),
+                    seg.ids[:last],
+                    seg.logprobs[:last],
+                    reward,
+                    dict(parts),
+                    0.0,
+                    min(versions, default=min_version),
+                    seg.truncated,
+                    None,
+                    seg.mask[:last],
+                    figures if k == 0 else None,
+                    token_versions=seg.token_versions[:last] if len(set(versions)) > 1 else None,
+                    continues=k > 0,
+                )
+            )
+        return out
+
+
+def _trained(traj: Trajectory) -> bool:
+    return any(any(s.mask) for s in traj.segments)
