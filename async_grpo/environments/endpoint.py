@@ -28,6 +28,7 @@ no worker took the request in time. The server listens on loopback only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -100,6 +101,7 @@ class OpenAIEndpoint:
 
     async def start(self, port: int = 0) -> str:
         """Listen on 127.0.0.1:`port` (0: a free one); the base URL."""
+        await asyncio.to_thread(_import_vllm_parts)  # not on the event loop, at a request
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_route("*", "/{path:.*}", self._handle)
         self._runner = web.AppRunner(
@@ -360,6 +362,12 @@ def _without_eos(ids: list[int], tokenizer: Any) -> list[int]:
 
 def _default(req: Any, name: str) -> Any:
     return type(req).model_fields[name].get_default(call_default_factory=True)
+
+
+def _import_vllm_parts() -> None:
+    """vLLM's request models (its import takes seconds: once, before the first request)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: F401
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: F401
 
 
 def _tool_parser(name: str) -> Any:

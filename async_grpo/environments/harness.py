@@ -24,6 +24,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -95,10 +96,27 @@ def drive(
     async def main() -> Any:
         import openai
 
-        # no retries: a request the client gave up on may still be sampled and kept
+        # no retries: a request the client gave up on may still be sampled and kept. One
+        # TLS context for every client: making one loads the CA bundle (about 60 ms a
+        # rollout otherwise; bench/harness_overhead.py), though the endpoint is plain HTTP
+        http = openai.DefaultAsyncHttpxClient(verify=_tls())
         async with openai.AsyncOpenAI(
-            base_url=base_url, api_key=token, max_retries=0, timeout=timeout_s
+            base_url=base_url, api_key=token, max_retries=0, timeout=timeout_s, http_client=http
         ) as client:
             return await asyncio.wait_for(fn(client, row), timeout_s)
 
     return asyncio.run(main())
+
+
+_TLS: list[Any] = []
+_TLS_LOCK = threading.Lock()
+
+
+def _tls() -> Any:
+    """The process's one default TLS context, made on first use."""
+    with _TLS_LOCK:
+        if not _TLS:
+            import ssl
+
+            _TLS.append(ssl.create_default_context())
+        return _TLS[0]

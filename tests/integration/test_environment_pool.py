@@ -117,6 +117,58 @@ def test_episodes_replay_token_by_token_in_the_trainer(generation, smollm2_dir, 
         assert torch.tensor(s.logprobs)[~mask].abs().sum() == 0
 
 
+def test_a_harness_trains_the_engines_tokens_across_turns(
+    generation, smollm2_dir, tokenizer, monkeypatch
+):
+    """`environment.kind: openai` on the real engine: the harness's two turns go through
+    the real `openai` client and the endpoint's socket; each rollout is one sample whose
+    model tokens replay in the trainer to the sampler's log-probs (so they are the tokens
+    the engine sampled, not a re-tokenization of the reply's text), and its second user
+    turn is masked context."""
+    from transformers import AutoModelForCausalLM
+
+    from async_grpo.batcher.harness import HarnessRunner
+    from async_grpo.core.logprobs import batch_logprobs
+    from async_grpo.core.packing import pack
+    from async_grpo.data.tokenize import chat_token_ids
+    from async_grpo.inference.client import PoolClient
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    cfg = replace(
+        _cfg(),
+        model=str(smollm2_dir),
+        environment=EnvironmentConfig(kind="openai", rollout="harnesses_for_tests:two_turns"),
+    )
+    question = "What is 12 * 34?"
+    messages = [{"role": "user", "content": question}]
+    prompt = Prompt(question, 408, chat_token_ids(tokenizer, question), messages=messages)
+
+    async def main():
+        runner = HarnessRunner(cfg, {"generation": PoolClient("generation")}, tokenizer)
+        await runner.start()
+        try:
+            return await runner.group(prompt, 4, SamplingSettings(24, 1.0, 1.0, 3), 0)
+        finally:
+            await runner.stop()
+
+    group = asyncio.run(asyncio.wait_for(main(), 300))
+    assert len(group) == 4 and not any(s.continues for s in group)
+    assert all(s.episode["turns"] == 2 and s.episode["prefix_breaks"] == 0 for s in group)
+    assert all(s.episode["env_errors"] == 0 for s in group)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    for s in group:
+        mask = torch.tensor(s.completion_mask)
+        context = tokenizer.decode(
+            [t for t, m in zip(s.completion_ids, mask, strict=True) if not m]
+        )
+        assert "Check it and say it again." in context and mask[0] and mask[-1]
+        batch = pack([s.to_pack_input()])
+        with torch.no_grad():
+            trainer = batch_logprobs(model, batch)[0][batch.loss_mask]  # [model tokens]
+        sampler = torch.tensor(s.logprobs)[mask]
+        assert (trainer - sampler).abs().max() < 2e-3, (trainer - sampler).abs().max()
+
+
 def test_a_group_over_every_workers_capacity_is_refused_at_once(generation, tokenizer):
     from async_grpo.pools import start_environment_workers, stop_workers
 

@@ -66,10 +66,12 @@ def _cfg(rollout: str, **env) -> RunConfig:
 
 
 def _prompts(tokenizer, metadata=None) -> list[Prompt]:
+    from async_grpo.data.tokenize import chat_token_ids
+
     out = []
     for i in range(4):
         messages = [{"role": "user", "content": f"What is {12 + i} * 34?"}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = chat_token_ids(tokenizer, messages[0]["content"])
         out.append(Prompt(messages[0]["content"], str((12 + i) * 34), list(ids),
                           dict(metadata or {}), messages=messages))  # fmt: skip
     return out
