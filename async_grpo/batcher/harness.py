@@ -138,6 +138,7 @@ class HarnessRunner:
             "prompt": prompt.messages if prompt.messages is not None else prompt.input,
             "answer": prompt.answer,
             "metadata": dict(prompt.metadata),
+            "prefill": prompt.prefill,
             "model": self.endpoint.model,
         }
         async with self._open:

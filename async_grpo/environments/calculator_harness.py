@@ -4,7 +4,9 @@ reward as the `calculator` environment, written as a user writes a harness, agai
 
 The model may reply `<calc>EXPRESSION</calc>`; the harness sends the value back as the
 next user message. A reply without a call is the answer: reward 1.0 when its last number
-is the task's. Two model turns at most, as the environment's config gives it.
+is the task's. Two model turns at most, as the environment's config gives it. The data's
+prefill (`<calc>`) opens the first turn, as it does the environment's: sent as a final
+assistant message to continue, as a vLLM server takes it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ async def rollout(client: Any, row: dict[str, Any]) -> float:
     """1.0 when the answer's last number is the task's, else 0.0."""
     messages = list(row["prompt"])
     truth = last_number(str(row["answer"]))
+    prefill = row["prefill"]
     for _ in range(MAX_TURNS):
-        reply = await client.chat.completions.create(model=row["model"], messages=messages)
-        text = (reply.choices[0].message.content or "")[:MAX_ACTION_CHARS]
+        opened, extra = messages, None
+        if prefill:  # the turn starts with it: continued, not a turn of its own
+            opened = [*messages, {"role": "assistant", "content": prefill}]
+            extra = {"continue_final_message": True, "add_generation_prompt": False}
+        reply = await client.chat.completions.create(
+            model=row["model"], messages=opened, extra_body=extra
+        )
+        text = (prefill + (reply.choices[0].message.content or ""))[:MAX_ACTION_CHARS]
+        prefill = ""
         call = tool_call(text)
         if call is None:  # the answer
             return float(last_number(text) == truth)

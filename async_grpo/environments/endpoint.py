@@ -213,7 +213,12 @@ class OpenAIEndpoint:
                 )
         messages = [_message(m) for m in body["messages"]]
         tools = body.get("tools") if req.tools else None
-        ids = trajectory.context_ids(messages, tools)
+        # a final assistant message continued (a prefill), as a vLLM server takes it
+        opened = {
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+        }
+        ids = trajectory.context_ids(messages, tools, **opened)
         # `max_tokens` read from the body: vLLM's model warns on reading its deprecated field
         limit = req.max_completion_tokens or body.get("max_tokens") or self.sampling.max_new_tokens
         c = await self._sample(trajectory, generate, ids, req, limit)
@@ -318,12 +323,19 @@ class OpenAIEndpoint:
             )
         return out
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **self.template_kwargs,
             )

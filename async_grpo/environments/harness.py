@@ -6,7 +6,9 @@ the `openai` SDK, drives a whole conversation and returns its reward.
         return float(reply.choices[0].message.content.strip() == str(row["answer"]))
 
 `row` holds `prompt` (the data row's messages, or its text under `prompt_format: plain`),
-`answer`, `metadata` and `model` (the name the endpoint serves). The client's base URL is
+`answer`, `metadata`, `prefill` (the text the data says the model's turn starts with; a
+harness sends it as a final assistant message with `continue_final_message`, as to a vLLM
+server) and `model` (the name the endpoint serves). The client's base URL is
 the rollout's own on the run's endpoint (endpoint.py), so every token it is sent back
 comes from the pool and is kept as sampled.
 

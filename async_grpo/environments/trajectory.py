@@ -48,8 +48,9 @@ class Segment:
 
 
 class Trajectory:
-    """The segments of one rollout; `render(messages, tools)` is the chat template's text
-    for a conversation with the assistant's turn opened."""
+    """The segments of one rollout; `render(messages, tools, **options)` is the chat
+    template's text for a conversation (`options`: `add_generation_prompt`,
+    `continue_final_message`, as a vLLM server takes them)    for a conversation with the assistant's turn opened."""
 
     def __init__(self, tokenizer: Any, render: Any) -> None:
         self.tokenizer, self.render = tokenizer, render
@@ -60,11 +61,13 @@ class Trajectory:
         self.asked_text = ""  # their rendering, the assistant's turn opened
         self.ended = False  # the last reply ended with the end-of-sequence token
 
-    def context_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def context_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, **options: bool
+    ) -> list[int]:
         """The ids to generate the next reply from: the kept ids plus the new context's,
         or a new segment after a prefix break."""
-        text = self.render(messages, tools)
-        after = self._after_reply(messages, tools) if self.segments else None
+        text = self.render(messages, tools, **options)
+        after = self._after_reply(messages, tools, options) if self.segments else None
         self.asked, self.asked_text = messages, text
         return self._continue(text, after, special=False)
 
@@ -89,7 +92,9 @@ class Trajectory:
         self.served = text
         return self.segments[-1].prompt_ids
 
-    def _after_reply(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> str | None:
+    def _after_reply(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, options: dict[str, bool]
+    ) -> str | None:
         """What the template writes after the last reply, when `messages` are the last
         request's, the reply, then more; None otherwise."""
         n = len(self.asked or [])
@@ -100,7 +105,7 @@ class Trajectory:
         marker = f"\x00reply-{id(self)}\x00"
         marked = [*messages[:n], {"role": "assistant", "content": marker}, *messages[n + 1 :]]
         try:
-            before, found, after = self.render(marked, tools).partition(marker)
+            before, found, after = self.render(marked, tools, **options).partition(marker)
         except Exception:  # a template that takes no such turn: the text route decides
             return None
         if not found or before != self.asked_text or marker in after:

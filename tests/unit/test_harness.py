@@ -216,3 +216,30 @@ def test_share_prompts_is_refused_with_a_harness():
     cfg = replace(_cfg("two_turns"), batcher=BatcherConfig(share_prompts=True))
     with pytest.raises(ConfigError, match="batcher.share_prompts"):
         validate(cfg)
+
+
+def test_a_split_rollout_survives_the_checkpoint_round_trip(tokenizer, smollm2_dir, tmp_path):
+    """Pending groups go into checkpoints as JSON; a rollout's later segment keeps its
+    `continues` mark, so the replayed books count rollouts as before."""
+    import json
+    from dataclasses import asdict
+
+    from async_grpo.batcher.harness import HarnessRunner
+    from async_grpo.inference.types import SamplingSettings
+    from async_grpo.trainer.checkpoint import PENDING_FILE, load_pending
+
+    cfg = replace(_cfg("rewrites_history"), model=str(smollm2_dir))
+
+    async def main():
+        runner = HarnessRunner(cfg, {"generation": Pool(tokenizer)}, tokenizer)
+        await runner.start()
+        try:
+            return await runner.group(_prompts(tokenizer)[0], 3, SamplingSettings(32, seed=2), 0)
+        finally:
+            await runner.stop()
+
+    group = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [s.continues for s in group] == [False, True] * 3
+    assert all(s.episode is None for s in group if s.continues)
+    (tmp_path / PENDING_FILE).write_text(json.dumps({"3": [[asdict(s) for s in group]]}))
+    assert load_pending(tmp_path) == {3: [group]}

@@ -282,3 +282,33 @@ def test_a_tool_call_turn_keeps_the_sampled_tokens(tiny_model_dir, tmp_path):
     assert '{"name":"add","arguments":{"a":1,"b":2}}' in tokenizer.decode(second)
     seg = traj.segments[0]
     assert [t for t, m in zip(seg.ids, seg.mask, strict=True) if m][: len(sampled)] == sampled
+
+
+def test_a_continued_final_message_is_context_and_the_next_turn_keeps_the_ids(tokenizer):
+    """A prefill sent as vLLM takes it (a final assistant message with
+    `continue_final_message`): its tokens are context, the reply continues it, and the
+    next request (the prefill and reply as one assistant turn) continues the kept ids."""
+
+    async def run(ep, pool):
+        rid, url = ep.open()
+        client = _client(url)
+        ask = [{"role": "user", "content": "What is 12 * 34?"}]
+        opened = {"continue_final_message": True, "add_generation_prompt": False}
+        a = await client.chat.completions.create(
+            model=MODEL,
+            messages=[*ask, {"role": "assistant", "content": "<calc>"}],
+            extra_body=opened,
+        )
+        said = "<calc>" + a.choices[0].message.content
+        nxt = [*ask, {"role": "assistant", "content": said}, {"role": "user", "content": "408"}]
+        await client.chat.completions.create(model=MODEL, messages=nxt)
+        return ep.close(rid), pool
+
+    traj, pool = _serve(tokenizer, ["12 * 34</calc>", "408"], run)
+    first = tokenizer.decode(pool.asked[0][0])
+    assert first.endswith("<|im_start|>assistant\n<calc>")  # the turn continued, not closed
+    (seg,) = traj.segments
+    assert traj.prefix_breaks == 0 and seg.turns == 2
+    assert pool.asked[1][0][: len(pool.asked[0][0])] == pool.asked[0][0]
+    trained = tokenizer.decode([t for t, m in zip(seg.ids, seg.mask, strict=True) if m])
+    assert trained.startswith("12 * 34</calc>") and "<calc>" not in trained
