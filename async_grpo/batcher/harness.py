@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from async_grpo.batcher.types import ScoredSample
@@ -41,6 +42,19 @@ from async_grpo.environments.trajectory import Trajectory
 from async_grpo.inference.types import SamplingSettings
 
 LOGGED_ERRORS = 20  # distinct rollout errors printed to the log; the rest are counted
+
+
+@dataclass
+class _Rollout:
+    """One finished rollout: its tokens, its reward (0.0 on a failure), the reason and
+    first line of a failure ("" for none) and its wall time."""
+
+    reward: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    why: str = ""
+    said: str = ""
+    trajectory: Trajectory | None = None
+    seconds: float = 0.0
 
 
 class HarnessStuck(RuntimeError):
@@ -105,23 +119,19 @@ class HarnessRunner:
                 run.cancel()
             await asyncio.gather(*runs, return_exceptions=True)
             raise
-        silent = [why for traj, _, _, why, _ in rollouts if not _trained(traj)]
+        silent = [r for r in rollouts if not _trained(r.trajectory)]
         if silent:
-            cause = next((w for w in silent if w), "it returned without asking")
+            cause = next((r.said for r in silent if r.said), "it returned without asking")
             raise EnvironmentFailed(
                 "error",
                 f"environment.rollout {self.cfg.environment.rollout}: a rollout made no"
                 f" request to the model ({cause})",
             )
-        samples = []
-        for traj, reward, parts, why, seconds in rollouts:
-            samples += self._samples(traj, reward, parts, why, seconds, min_version)
-        return samples
+        return [s for r in rollouts for s in self._samples(r, min_version)]
 
     async def _rollout(
         self, prompt: Prompt, sampling: SamplingSettings, index: int, min_version: int, on_retry
-    ) -> tuple[Trajectory, float, dict[str, float], str, float]:
-        """(trajectory, reward, named parts, error reason or "", seconds) of one rollout."""
+    ) -> _Rollout:
         turn = 0
 
         async def generate(ids: list[int], n: int, s: SamplingSettings) -> Any:
@@ -145,19 +155,22 @@ class HarnessRunner:
             rid, url = self.endpoint.open(generate=generate)
             t0 = time.monotonic()
             try:
-                reward, parts, why = await self._run(url, row)
+                out = await self._run(url, row)
             finally:
                 traj = self.endpoint.close(rid)
-        return traj, reward, parts, why, time.monotonic() - t0
+        out.trajectory, out.seconds = traj, time.monotonic() - t0
+        return out
 
-    async def _run(self, url: str, row: dict) -> tuple[float, dict[str, float], str]:
-        """The rollout in a thread of its own: (reward, parts, "") or (0, {}, reason)."""
+    async def _run(self, url: str, row: dict) -> _Rollout:
+        """The rollout in a thread of its own: its reward, or 0.0 and why (its trajectory
+        and time are the caller's to set)."""
         job = self._threads.submit(drive, self.rollout, url, self.token, row, self.timeout_s)
         try:
             result = await asyncio.wait_for(
                 asyncio.wrap_future(job), self.timeout_s + THREAD_SLACK_S
             )
-            return (*reward_of(result), "")
+            reward, parts = reward_of(result)
+            return _Rollout(reward, parts)
         except TimeoutError:
             if not job.done():  # its code blocks the thread: it cannot be stopped there
                 with self._stuck_lock:
@@ -169,41 +182,38 @@ class HarnessRunner:
                         " rollouts blocked their threads past environment.rollout_timeout_s"
                         f" ({self.timeout_s:g} s); a harness must await, not block"
                     ) from None
-            return 0.0, {}, "timeout"
+            return self._failed("timeout", f"past {self.timeout_s:g} s")
         except BadOutput as e:
-            self._log("bad_output", str(e))
-            return 0.0, {}, "bad_output"
+            return self._failed("bad_output", str(e))
         except Exception as e:
-            self._log("error", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
-            return 0.0, {}, "error"
+            return self._failed("error", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
 
     def _unstick(self, _: Any) -> None:
         with self._stuck_lock:
             self.stuck -= 1
 
-    def _log(self, reason: str, message: str) -> None:
-        if len(self._logged) < LOGGED_ERRORS and message not in self._logged:
-            print(f"batcher: a rollout ended in {reason}: {message}", flush=True)
-        self._logged[message] += 1
+    def _failed(self, why: str, said: str) -> _Rollout:
+        """A failed rollout (reward 0.0); the first `LOGGED_ERRORS` distinct lines logged."""
+        said = said[:200]
+        if len(self._logged) < LOGGED_ERRORS and said not in self._logged:
+            print(f"batcher: a rollout ended in {why}: {said}", flush=True)
+        self._logged[said] += 1
+        return _Rollout(why=why, said=said)
 
-    def _samples(
-        self,
-        traj: Trajectory,
-        reward: float,
-        parts: dict[str, float],
-        why: str,
-        seconds: float,
-        min_version: int,
-    ) -> list[ScoredSample]:
+    def _samples(self, r: _Rollout, min_version: int) -> list[ScoredSample]:
+        """One sample a segment of `r` (the first carries its figures; the later ones
+        `continues`), each with its reward."""
+        traj = r.trajectory
+        assert traj is not None  # set by _rollout
         segments = [s for s in traj.segments if any(s.mask)]
         figures = {
             "turns": float(sum(s.turns for s in segments)),
-            "env_errors": float(bool(why)),
+            "env_errors": float(bool(r.why)),
             "prefix_breaks": float(traj.prefix_breaks),
-            "rollout_s": seconds,
+            "rollout_s": r.seconds,
         }
-        if why:
-            figures[f"env_errors/{why}"] = 1.0
+        if r.why:
+            figures[f"env_errors/{r.why}"] = 1.0
         out = []
         for k, seg in enumerate(segments):
             last = max(i for i, m in enumerate(seg.mask) if m) + 1  # no trailing context
@@ -213,8 +223,8 @@ class HarnessRunner:
                     list(seg.prompt_ids),
                     seg.ids[:last],
                     seg.logprobs[:last],
-                    reward,
-                    dict(parts),
+                    r.reward,
+                    dict(r.parts),
                     0.0,
                     min(versions, default=min_version),
                     seg.truncated,
@@ -228,5 +238,5 @@ class HarnessRunner:
         return out
 
 
-def _trained(traj: Trajectory) -> bool:
-    return any(any(s.mask) for s in traj.segments)
+def _trained(traj: Trajectory | None) -> bool:
+    return traj is not None and any(any(s.mask) for s in traj.segments)
