@@ -335,9 +335,9 @@ def validate_harness(cfg: RunConfig) -> None:
         )
     load_rollout(e.rollout)
     if e.tool_parser is not None:
-        from vllm.tool_parsers import ToolParserManager
+        from async_grpo.environments.endpoint import tool_parser_names
 
-        known = sorted(ToolParserManager.list_registered())
+        known = sorted(tool_parser_names())
         if e.tool_parser not in known:
             raise ConfigError(
                 f"environment.tool_parser: {e.tool_parser!r} is not one of vLLM's"

@@ -382,6 +382,32 @@ def _import_vllm_parts() -> None:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: F401
 
 
+def tool_parser_names() -> set[str]:
+    """The tool-call parsers this vLLM has (`vllm serve --tool-call-parser` names): the
+    keys of its lazy table, read from its source, as preflight reads its models (importing
+    vLLM takes seconds before Ray); tests/unit/test_harness.py checks both give the same."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    source = Path(spec.origin).parent / "tool_parsers" / "__init__.py"  # type: ignore[union-attr]
+    table = "_TOOL_PARSERS_TO_REGISTER"
+    for node in ast.parse(source.read_text()).body:
+        named = isinstance(node, ast.Assign) and any(
+            getattr(t, "id", "") == table for t in node.targets
+        )
+        if named and isinstance(node.value, ast.Dict):
+            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    return set(_imported_tool_parser_names())
+
+
+def _imported_tool_parser_names() -> list[str]:
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.list_registered()
+
+
 def _tool_parser(name: str) -> Any:
     from vllm.tool_parsers import ToolParserManager
 

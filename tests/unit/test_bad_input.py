@@ -50,6 +50,22 @@ def test_rewards_are_looked_up_at_start(tmp_path, reward, words):
     _refused(_run(tmp_path, f"verifier.rewards=[{reward}]"), *words)
 
 
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["environment.rollout=nopkg.agent:rollout"], ("environment.rollout", "cannot import")),
+        (["environment.rollout=json:dumps"], ("environment.rollout", "async def")),
+        (["environment.rollout=json:loads", "batcher.share_prompts=true"], ("share_prompts",)),
+        (["environment.tool_parser=nope"], ("environment.tool_parser", "hermes")),
+    ],
+)
+def test_a_harness_that_cannot_run_is_refused(tmp_path, overrides, words):
+    harness = ["environment.kind=openai", "batcher.share_prompts=false"]
+    if not any("rollout=" in o for o in overrides):
+        harness.append("environment.rollout=async_grpo.environments.calculator_harness:rollout")
+    _refused(_run(tmp_path, *harness, *overrides), *words)
+
+
 def test_resume_without_a_checkpoint(tmp_path):
     cmd = [*run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}"), "--resume"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -243,3 +243,13 @@ def test_a_split_rollout_survives_the_checkpoint_round_trip(tokenizer, smollm2_d
     assert all(s.episode is None for s in group if s.continues)
     (tmp_path / PENDING_FILE).write_text(json.dumps({"3": [[asdict(s) for s in group]]}))
     assert load_pending(tmp_path) == {3: [group]}
+
+
+def test_the_tool_parsers_read_from_source_are_vllms_own():
+    """The config's check reads vLLM's tool parsers from its source (no vLLM import before
+    Ray); it must be exactly the set vLLM's manager reports."""
+    from async_grpo.environments.endpoint import _imported_tool_parser_names, tool_parser_names
+
+    read = tool_parser_names()
+    assert {"hermes", "llama3_json", "mistral"} <= read
+    assert read == set(_imported_tool_parser_names())
