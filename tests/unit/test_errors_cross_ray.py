@@ -36,6 +36,8 @@ EXAMPLES: dict[str, tuple[tuple, dict]] = {
     ),
     "async_grpo.environments.pool._NotMade": (("RuntimeError: no sandbox image",), {}),
     "async_grpo.environments.base.BadStep": (("step: returned int",), {}),
+    "async_grpo.environments.harness.BadOutput": (("the reward is 'yes', not a number",), {}),
+    "async_grpo.batcher.harness.HarnessStuck": (("4 rollouts blocked their threads",), {}),
     "async_grpo.environments.http.Refusal": (
         (503, "sessions: --max-sessions is 2"),
         {"status": 503, "message": "sessions: --max-sessions is 2"},
