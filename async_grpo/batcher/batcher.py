@@ -143,9 +143,7 @@ class ExperienceBatcher:
         if harness and self._episodes is None:
             from async_grpo.batcher.harness import HarnessRunner
 
-            tokenizer = await asyncio.to_thread(_tokenizer, self.cfg)
-            self._episodes = HarnessRunner(self.cfg, self._clients, tokenizer)
-            await self._episodes.start()
+            self._episodes = await HarnessRunner.started(self.cfg, self._clients)
         elif env_run and not harness:
             from async_grpo.batcher.episodes import EpisodeRunner, turn_format
 
@@ -498,11 +496,3 @@ class ExperienceBatcher:
                 self.counters["packed_budget"] += self.cfg.batcher.max_tokens_per_gpu
                 mb = Minibatch(step, [s.to_pack_input() for s in samples], tokens, last, part)
                 await self.channel.put(rank, mb, max(tokens, 1), timeout_s=3600)
-
-
-def _tokenizer(cfg: RunConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    from async_grpo.models import resolve_model
-
-    return AutoTokenizer.from_pretrained(resolve_model(cfg.model))

@@ -88,6 +88,18 @@ class HarnessRunner:
         self._stuck_lock = threading.Lock()
         self._logged: Counter[str] = Counter()
 
+    @classmethod
+    async def started(cls, cfg: RunConfig, clients: dict[str, Any]) -> HarnessRunner:
+        """A runner whose endpoint listens, the model's tokenizer loaded off the loop."""
+        from transformers import AutoTokenizer
+
+        from async_grpo.models import resolve_model
+
+        load = lambda: AutoTokenizer.from_pretrained(resolve_model(cfg.model))  # noqa: E731
+        runner = cls(cfg, clients, await asyncio.to_thread(load))
+        await runner.start()
+        return runner
+
     async def start(self) -> str:
         return await self.endpoint.start()
 
