@@ -113,6 +113,9 @@ def _check_data(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, [*args.set, *([f"data={args.input}"] if args.input else [])])
     model_dir = resolve_model(cfg.model)
+    from async_grpo.preflight import environment_data
+
+    environment_data(cfg)  # `data: environment`: the verifiers environment's, as a file
     checked = [(cfg.data, cfg.dataset)]
     if cfg.eval.data and args.input is None:  # the config's held-out set too
         checked.append((cfg.eval.data, cfg.eval_dataset))

@@ -99,10 +99,13 @@ class VerifierConfig:
 class EnvironmentConfig:
     """Multi-turn episodes instead of one scored completion: `kind: steps` against an
     environment pool (`name`, or a server at `url`), `kind: openai` by an agent harness
-    (`rollout`) through the generation pool's OpenAI endpoint (environments/harness.py)."""
+    (`rollout`) through the generation pool's OpenAI endpoint (environments/harness.py),
+    `kind: verifiers` by an installed `verifiers` environment (`name`, `args`) through the
+    same endpoint (environments/verifiers_env.py)."""
 
-    kind: Literal["steps", "openai"] = "steps"  # steps: reset/step (name, url); openai: rollout
-    name: str | None = None  # None: single-turn, rewards by the verifiers; else an environment
+    kind: Literal["steps", "openai", "verifiers"] = "steps"  # reset/step, rollout, verifiers env
+    name: str | None = None  # None: single-turn; else an environment (kind verifiers: its name)
+    args: dict[str, Any] = field(default_factory=dict)  # kind verifiers: load_environment(**args)
     url: str | None = None  # server-backed: the environment's HTTP server (environments/http.py)
     num_workers: int = 1  # environment workers (Ray actors hosting the instances)
     capacity: int = 256  # live instances (episodes) a worker holds at once
@@ -120,6 +123,12 @@ class EnvironmentConfig:
     def multi_turn(self) -> bool:
         """Episodes (an environment or a harness) rather than scored single completions."""
         return self.name is not None or self.kind != "steps"
+
+    @property
+    def harness(self) -> bool:
+        """Rollouts driven through the endpoint (an agent harness or a verifiers
+        environment) rather than reset/step episodes."""
+        return self.kind != "steps"
 
 
 @dataclass

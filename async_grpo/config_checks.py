@@ -276,7 +276,7 @@ def validate_environment(cfg: RunConfig) -> None:
     """An environment run: the names resolve, a group fits a worker, an episode fits the
     context."""
     e, g, b = cfg.environment, cfg.generation, cfg.batcher
-    if e.kind == "openai":
+    if e.harness:
         validate_harness(cfg)
         return
     if e.rollout is not None:
@@ -310,15 +310,19 @@ def validate_environment(cfg: RunConfig) -> None:
 
 
 def validate_harness(cfg: RunConfig) -> None:
-    """An agent-harness run: the rollout function imports, the tool parser is vLLM's, and
-    nothing of the environment pool is asked for."""
-    from async_grpo.environments.harness import load_rollout
-
+    """An agent-harness run (or a verifiers environment's): the rollout function imports
+    (the environment loads), the tool parser is vLLM's, and nothing of the environment
+    pool is asked for."""
     e, b = cfg.environment, cfg.batcher
-    if e.name is not None or e.url is not None:
+    if e.url is not None or (e.kind == "openai" and e.name is not None):
         raise ConfigError(
-            "environment.name/url: a harness (environment.kind: openai) drives its own"
+            f"environment.name/url: a harness (environment.kind: {e.kind}) drives its own"
             " conversation; leave them out"
+        )
+    if e.kind == "verifiers" and e.rollout is not None:
+        raise ConfigError(
+            "environment.rollout: a verifiers environment runs its own rollouts; leave it"
+            " out (or use environment.kind: openai)"
         )
     for key in ("rollout_timeout_s", "max_rollouts"):
         if getattr(e, key) <= 0:
@@ -331,9 +335,15 @@ def validate_harness(cfg: RunConfig) -> None:
     if b.share_prompts:
         raise ConfigError(
             "batcher.share_prompts: a harness's rollouts render their own prompts (they need"
-            " not share one); leave it off with environment.kind: openai"
+            f" not share one); leave it off with environment.kind: {e.kind}"
         )
-    load_rollout(e.rollout)
+    if e.kind == "verifiers":  # loaded by preflight: once before Ray, not in every rank
+        if not e.name:
+            raise ConfigError("environment.name: kind verifiers needs an installed environment")
+    else:
+        from async_grpo.environments.harness import load_rollout
+
+        load_rollout(e.rollout)
     if e.tool_parser is not None:
         from async_grpo.environments.endpoint import tool_parser_names
 

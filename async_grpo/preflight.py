@@ -19,7 +19,11 @@ def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None
 
     refuse_reuse(cfg.output_dir, resume)
     resumed = find_resume(cfg.output_dir, resume) if resume else None
-    if cfg.environment.kind == "openai":  # the harness was imported by the config's checks
+    if cfg.environment.kind == "verifiers":  # the environment loads, as the batcher will
+        from async_grpo.environments.verifiers_env import load_env
+
+        load_env(cfg.environment.name, cfg.environment.args)
+    elif cfg.environment.harness:  # the harness was imported by the config's checks
         pass
     elif cfg.environment.name is None:  # single-turn: the verifiers will import these
         from async_grpo.rewards.registry import get_reward
@@ -182,6 +186,17 @@ def imported_vllm_architectures() -> set[str]:
     return set(ModelRegistry.get_supported_archs())
 
 
+def environment_data(cfg: RunConfig) -> None:
+    """`data: environment`: the verifiers environment's own dataset, written to a file
+    the run then reads as any other (environments/verifiers_env.py)."""
+    from async_grpo.environments.verifiers_env import ENV_DATA
+
+    if cfg.data == ENV_DATA:
+        from async_grpo.environments.verifiers_env import environment_data as write
+
+        cfg.data = write(cfg)
+
+
 def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None = None) -> str:
     """Everything a run can refuse before Ray, the pools or torchrun start (preflight, the
     prompts, a held-out set that overlaps training); the model's folder. `run` and `train`
@@ -197,6 +212,7 @@ def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None =
         check_disjoint(validate_placement(cfg))
     model_dir = str(resolve_model(cfg.model))
     preflight(cfg, model_dir, resume)
+    environment_data(cfg)
     prepare_prompts(
         cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
     )

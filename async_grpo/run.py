@@ -417,7 +417,7 @@ def pool_starters(
         ),  # fmt: skip
     }
     counts = {"generation": cfg.generation.num_workers}
-    if cfg.environment.kind == "openai":  # a harness scores its rollouts in the batcher
+    if cfg.environment.harness:  # a harness scores its rollouts in the batcher
         pass
     elif cfg.environment.name is None:  # single-turn: the verifiers score
         starters["verifier"] = lambda n: pools.begin_verifier_workers(cfg.verifier, n, log_dir=logs)

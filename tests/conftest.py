@@ -51,6 +51,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    """SmolLM2's tokenizer and chat template (a module may define its own `tokenizer`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
     """The real Gemma 3 270M base model as a Hugging Face folder (converted once, cached)."""
     from async_grpo.models import GEMMA3_NAME, prepare_model

@@ -133,7 +133,7 @@ class ExperienceBatcher:
         from async_grpo.inference.client import PoolClient
 
         e = self.cfg.environment
-        harness, env_run = e.kind == "openai", e.multi_turn
+        harness, env_run = e.harness, e.multi_turn
         if self._clients is None:
             pools = ["generation"] + ([] if harness else ["environment" if env_run else "verifier"])
             pools += ["logprob"] if self._kl else []

@@ -1,4 +1,5 @@
-"""Groups of agent-harness rollouts (`environment.kind: openai`), driven by the batcher.
+"""Groups of agent-harness rollouts (`environment.kind: openai`, or a `verifiers`
+environment's own rollouts, `kind: verifiers`), driven by the batcher.
 
 The batcher's process serves the generation pool over the OpenAI API on loopback
 (environments/endpoint.py); each of a group's G rollouts gets a URL of its own and runs
@@ -64,10 +65,16 @@ class HarnessStuck(RuntimeError):
 class HarnessRunner:
     """Runs groups of rollouts of `environment.rollout` against the run's endpoint."""
 
-    def __init__(self, cfg: RunConfig, clients: dict[str, Any], tokenizer: Any) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        clients: dict[str, Any],
+        tokenizer: Any,
+        rollout: tuple[Any, str] | None = None,
+    ) -> None:
         e, g = cfg.environment, cfg.generation
         self.cfg, self.clients = cfg, clients
-        self.rollout = load_rollout(e.rollout)
+        self.rollout, self.what = rollout or harness_rollout(cfg)  # the function, its name
         self.timeout_s = e.rollout_timeout_s
         self.token = secrets.token_hex(16)
         self.endpoint = OpenAIEndpoint(
@@ -96,7 +103,10 @@ class HarnessRunner:
         from async_grpo.models import resolve_model
 
         load = lambda: AutoTokenizer.from_pretrained(resolve_model(cfg.model))  # noqa: E731
-        runner = cls(cfg, clients, await asyncio.to_thread(load))
+        tokenizer, rollout = await asyncio.gather(
+            asyncio.to_thread(load), asyncio.to_thread(harness_rollout, cfg)
+        )
+        runner = cls(cfg, clients, tokenizer, rollout)
         await runner.start()
         return runner
 
@@ -136,8 +146,7 @@ class HarnessRunner:
             cause = next((r.said for r in silent if r.said), "it returned without asking")
             raise EnvironmentFailed(
                 "error",
-                f"environment.rollout {self.cfg.environment.rollout}: a rollout made no"
-                f" request to the model ({cause})",
+                f"{self.what}: a rollout made no request to the model ({cause})",
             )
         return [s for r in rollouts for s in self._samples(r, min_version)]
 
@@ -190,8 +199,8 @@ class HarnessRunner:
                 job.add_done_callback(self._unstick)  # in the rollout's thread, when it ends
                 if self.stuck >= STUCK_LIMIT:
                     raise HarnessStuck(
-                        f"environment.rollout {self.cfg.environment.rollout}: {self.stuck}"
-                        " rollouts blocked their threads past environment.rollout_timeout_s"
+                        f"{self.what}: {self.stuck} rollouts blocked their threads past"
+                        " environment.rollout_timeout_s"
                         f" ({self.timeout_s:g} s); a harness must await, not block"
                     ) from None
             return self._failed("timeout", f"past {self.timeout_s:g} s")
@@ -248,6 +257,17 @@ class HarnessRunner:
                 )
             )
         return out
+
+
+def harness_rollout(cfg: RunConfig) -> tuple[Any, str]:
+    """The run's `rollout(client, row)` and the config line that names it: the user's
+    function (kind openai) or a verifiers environment's own rollout (kind verifiers)."""
+    e = cfg.environment
+    if e.kind == "verifiers":
+        from async_grpo.environments.verifiers_env import VerifiersRollout, load_env
+
+        return VerifiersRollout(load_env(e.name, e.args)), f"environment.name {e.name}"
+    return load_rollout(e.rollout), f"environment.rollout {e.rollout}"
 
 
 def _trained(traj: Trajectory | None) -> bool:

@@ -28,6 +28,7 @@ import inspect
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from async_grpo.config import ConfigError
@@ -39,6 +40,15 @@ THREAD_SLACK_S = 10.0  # past the rollout's own timeout: its loop could not even
 
 class BadOutput(ValueError):
     """A rollout returned something that is not a reward."""
+
+
+@dataclass
+class Scored:
+    """A reward with named parts that need not sum to it (a rubric's weighted sum and its
+    functions' values, environments/verifiers_env.py)."""
+
+    reward: Any
+    parts: dict[str, Any]
 
 
 def load_rollout(spec: str | None) -> Callable[..., Any]:
@@ -65,7 +75,10 @@ def load_rollout(spec: str | None) -> Callable[..., Any]:
 
 def reward_of(result: Any) -> tuple[float, dict[str, float]]:
     """(reward, named parts) of what a rollout returned: a finite number, or a dict of
-    named finite numbers (summed); BadOutput naming what is wrong otherwise."""
+    named finite numbers (summed), or a `Scored`; BadOutput naming what is wrong otherwise."""
+    if isinstance(result, Scored):
+        parts = {str(k): _number(v, f"reward {k!r}") for k, v in result.parts.items()}
+        return _number(result.reward, "the reward"), parts
     if isinstance(result, dict):
         if not result or not_unicode(list(result)) is not None:
             raise BadOutput(f"returned {_short(result)}: a dict needs named rewards")

@@ -106,8 +106,11 @@ def setup_batcher(
 
     name = f"batcher:{os.path.abspath(cfg.output_dir)}"
     if rank == 0:
+        from async_grpo.environments.verifiers_env import ENV_DATA, data_file
+
+        data = data_file(cfg) if cfg.data == ENV_DATA else cfg.data  # `run` wrote it
         prompts = prepare_prompts(
-            cfg.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
+            data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
         )
         actor = ray.remote(ExperienceBatcher).options(
             name=name,

@@ -45,13 +45,6 @@ def generation(cluster, smollm2_dir):
     stop_workers(handles, drain_timeout_s=5)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir)
-
-
 def _cfg(**env) -> RunConfig:
     e = EnvironmentConfig(**({"name": "guess_number", "capacity": 8, "max_turns": 3} | env))
     return replace(
@@ -117,6 +110,47 @@ def test_episodes_replay_token_by_token_in_the_trainer(generation, smollm2_dir, 
         assert torch.tensor(s.logprobs)[~mask].abs().sum() == 0
 
 
+def _harness_group(cfg, tokenizer, prompt, seed):
+    """One group of 4 rollouts of `cfg`'s harness (or verifiers environment) on the
+    module's engine, through a real endpoint."""
+    from async_grpo.batcher.harness import HarnessRunner
+    from async_grpo.inference.client import PoolClient
+
+    async def main():
+        runner = HarnessRunner(cfg, {"generation": PoolClient("generation")}, tokenizer)
+        await runner.start()
+        try:
+            return await runner.group(prompt, 4, SamplingSettings(24, 1.0, 1.0, seed), 0)
+        finally:
+            await runner.stop()
+
+    return asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def _replay_error(model, group) -> float:
+    """The largest |trainer - sampler| log-prob over a group's model tokens (masked
+    tokens carry none)."""
+    from async_grpo.core.logprobs import batch_logprobs
+    from async_grpo.core.packing import pack
+
+    worst = 0.0
+    for s in group:
+        mask = torch.tensor(s.completion_mask)
+        batch = pack([s.to_pack_input()])
+        with torch.no_grad():
+            trainer = batch_logprobs(model, batch)[0][batch.loss_mask]  # [model tokens]
+        worst = max(worst, float((trainer - torch.tensor(s.logprobs)[mask]).abs().max()))
+        assert torch.tensor(s.logprobs)[~mask].abs().sum() == 0
+    return worst
+
+
+def _context(tokenizer, s) -> str:
+    """The masked (not trained) text of a sample's completion."""
+    return tokenizer.decode(
+        [t for t, m in zip(s.completion_ids, s.completion_mask, strict=True) if not m]
+    )
+
+
 def test_a_harness_trains_the_engines_tokens_across_turns(
     generation, smollm2_dir, tokenizer, monkeypatch
 ):
@@ -127,11 +161,7 @@ def test_a_harness_trains_the_engines_tokens_across_turns(
     turn is masked context."""
     from transformers import AutoModelForCausalLM
 
-    from async_grpo.batcher.harness import HarnessRunner
-    from async_grpo.core.logprobs import batch_logprobs
-    from async_grpo.core.packing import pack
     from async_grpo.data.tokenize import chat_token_ids
-    from async_grpo.inference.client import PoolClient
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
     cfg = replace(
@@ -142,31 +172,59 @@ def test_a_harness_trains_the_engines_tokens_across_turns(
     question = "What is 12 * 34?"
     messages = [{"role": "user", "content": question}]
     prompt = Prompt(question, 408, chat_token_ids(tokenizer, question), messages=messages)
-
-    async def main():
-        runner = HarnessRunner(cfg, {"generation": PoolClient("generation")}, tokenizer)
-        await runner.start()
-        try:
-            return await runner.group(prompt, 4, SamplingSettings(24, 1.0, 1.0, 3), 0)
-        finally:
-            await runner.stop()
-
-    group = asyncio.run(asyncio.wait_for(main(), 300))
+    group = _harness_group(cfg, tokenizer, prompt, 3)
     assert len(group) == 4 and not any(s.continues for s in group)
     assert all(s.episode["turns"] == 2 and s.episode["prefix_breaks"] == 0 for s in group)
     assert all(s.episode["env_errors"] == 0 for s in group)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     for s in group:
-        mask = torch.tensor(s.completion_mask)
-        context = tokenizer.decode(
-            [t for t, m in zip(s.completion_ids, mask, strict=True) if not m]
-        )
-        assert "Check it and say it again." in context and mask[0] and mask[-1]
-        batch = pack([s.to_pack_input()])
-        with torch.no_grad():
-            trainer = batch_logprobs(model, batch)[0][batch.loss_mask]  # [model tokens]
-        sampler = torch.tensor(s.logprobs)[mask]
-        assert (trainer - sampler).abs().max() < 2e-3, (trainer - sampler).abs().max()
+        assert "Check it and say it again." in _context(tokenizer, s)
+        assert s.completion_mask[0] and s.completion_mask[-1]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    worst = _replay_error(model, group)
+    assert worst < 2e-3, worst
+
+
+def test_verifiers_environments_train_the_engines_tokens(
+    generation, smollm2_dir, tokenizer, monkeypatch
+):
+    """`environment.kind: verifiers` on the real engine, with the real `verifiers`
+    package: a single-turn environment on the arithmetic data and the shipped calculator
+    environment (a Python tool between two model turns). The calculator's rollouts are one
+    sample each, the tool's value masked; both replay in the trainer to the sampler's
+    log-probs alike (the multi-turn mismatch within the single-turn one's bound), every
+    token of version 0."""
+    pytest.importorskip("verifiers")
+    from transformers import AutoModelForCausalLM
+
+    from async_grpo.data import load_prompts
+    from async_grpo.data.generate import calculator_rows
+    from async_grpo.data.tokenize import chat_token_ids
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    arithmetic = load_prompts(Path(__file__).parents[2] / "sample-data" / "arithmetic.jsonl")[0]
+    arithmetic = replace(arithmetic, messages=[{"role": "user", "content": arithmetic.input}])
+    task = calculator_rows(1, 7)[0]
+    calc = Prompt(task["input"], task["answer"], chat_token_ids(tokenizer, task["input"]),
+                  messages=[{"role": "user", "content": task["input"]}])  # fmt: skip
+
+    def group(name, prompt, **args):
+        env = EnvironmentConfig(kind="verifiers", name=name, args=args)
+        return _harness_group(replace(_cfg(), model=str(smollm2_dir), environment=env),
+                              tokenizer, prompt, 5)  # fmt: skip
+
+    single = group("verifiers_envs_for_tests", arithmetic, kind="single")
+    multi = group("async_grpo.environments.vf_calculator", calc, n=4, eval_n=2)
+    assert len(single) == len(multi) == 4 and not any(s.continues for s in single + multi)
+    assert all(s.episode["env_errors"] == 0 and s.episode["prefix_breaks"] == 0 for s in multi)
+    assert all(s.episode["turns"] == 2 for s in multi)  # the prefill opens with a call
+    assert all(s.version == 0 and s.token_versions is None for s in single + multi)
+    for s in multi:
+        assert "<|im_start|>user\n" in _context(tokenizer, s)
+        assert s.completion_mask[0] and s.completion_mask[-1]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    worst_single, worst_multi = _replay_error(model, single), _replay_error(model, multi)
+    print(f"replay error: single-turn {worst_single:.1e}, calculator {worst_multi:.1e}")
+    assert worst_single < 2e-3 and worst_multi < 2e-3, (worst_single, worst_multi)
 
 
 def test_a_group_over_every_workers_capacity_is_refused_at_once(generation, tokenizer):

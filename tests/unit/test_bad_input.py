@@ -65,6 +65,14 @@ def test_a_harness_that_cannot_run_is_refused(tmp_path, overrides, words):
     _refused(_run(tmp_path, *harness, *overrides), *words)
 
 
+def test_a_verifiers_environment_that_does_not_load_is_refused(tmp_path):
+    """Through the real command (the environment loads before Ray); the rest of the class
+    in test_verifiers_env.py, in process."""
+    env = ["environment.kind=verifiers", "environment.name=no_such_env", "data=environment"]
+    env += ["batcher.share_prompts=false", "eval.data=null"]
+    _refused(_run(tmp_path, *env), "environment.name=no_such_env", "cannot import")
+
+
 def test_resume_without_a_checkpoint(tmp_path):
     cmd = [*run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}"), "--resume"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

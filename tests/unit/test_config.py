@@ -33,8 +33,8 @@ def test_every_shipped_config_loads_with_the_values_it_states(path):
     assert leaves, f"{path.name} sets nothing"
     for keys, value in leaves:
         got = cfg
-        for k in keys:
-            got = getattr(got, k)
+        for k in keys:  # a free-form mapping (environment.args) is a dict
+            got = got[k] if isinstance(got, dict) else getattr(got, k)
         if isinstance(got, tuple):
             got = list(got)
         assert got == value, f"{path.name}: {'.'.join(keys)} is {got!r}, the file says {value!r}"

@@ -28,13 +28,6 @@ from async_grpo.inference.types import Completion, SamplingSettings
 LOGPROB = -0.5
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir)
-
-
 class ScriptedModel:
     """Reads the last user turn of the ids it is given: a number -> answers it; else a
     calculator call for the question. Each token's log-prob is LOGPROB."""

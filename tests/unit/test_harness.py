@@ -23,13 +23,6 @@ PLUGINS = str(Path(__file__).parents[1] / "integration" / "plugins")
 LOGPROB = -0.25
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir)
-
-
 @pytest.fixture(autouse=True)
 def plugins(monkeypatch):
     monkeypatch.syspath_prepend(PLUGINS)

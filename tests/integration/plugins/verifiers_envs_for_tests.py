@@ -1,0 +1,56 @@
+"""`verifiers` environments written as their authors write them, against the real
+package (`environment.kind: verifiers`, `environment.name: verifiers_envs_for_tests`,
+`environment.args: {kind: ...}`)."""
+
+import math
+
+import verifiers as vf
+from datasets import Dataset
+
+
+def exact(completion, answer, **kwargs) -> float:
+    """1.0 when the reply is the answer."""
+    return float(completion[-1].content.strip() == str(answer))
+
+
+def short(completion, **kwargs) -> float:
+    return float(len(completion[-1].content or "") < 20)
+
+
+def not_a_number(completion, **kwargs) -> float:
+    return math.nan
+
+
+def relative(completions, **kwargs) -> list[float]:
+    """A group reward function: each completion against the others."""
+    return [0.0 for _ in completions]
+
+
+def add(a: int, b: int) -> int:
+    """Adds two integers."""
+    return a + b
+
+
+class Broken(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        raise KeyError("the environment broke")
+
+
+def load_environment(kind: str = "single", n: int = 8) -> vf.Environment:
+    data = Dataset.from_list(
+        [{"question": f"What is {12 + i} * 34?", "answer": str((12 + i) * 34)} for i in range(n)]
+    )
+    if kind == "single":
+        rubric = vf.Rubric(funcs=[exact, short], weights=[1.0, 0.5])
+        return vf.SingleTurnEnv(dataset=data, rubric=rubric, system_prompt="Reply with a number.")
+    if kind == "tool":
+        return vf.ToolEnv(tools=[add], dataset=data, rubric=vf.Rubric(funcs=[exact]), max_turns=3)
+    if kind == "broken":
+        return Broken(dataset=data, rubric=vf.Rubric(funcs=[exact]), max_turns=3)
+    if kind == "nan":
+        return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[not_a_number]))
+    if kind == "group":
+        return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[relative]))
+    if kind == "fails":
+        raise RuntimeError("cannot reach the task server")
+    raise ValueError(f"unknown kind {kind}")
