@@ -256,3 +256,39 @@ def test_a_tool_environment_trains_the_sampled_call_and_masks_the_tool_result(
     assert trained[0] == sampled and len(trained) == 2
     context = tokenizer.decode([t for t, m in zip(seg.ids, seg.mask, strict=True) if not m])
     assert "<tool_response>\n46\n</tool_response>" in context
+
+
+@pytest.mark.parametrize(
+    "kind,reply,reward,parts",
+    [
+        ("xml", "<think>\nsum\n</think>\n<answer>\n46\n</answer>", 1.2,
+         {"correct": 1.0, "format_reward_func": 1.0}),
+        ("group_of_envs", "46", 0.5, {"half": 0.5}),
+    ],
+)  # fmt: skip
+def test_parsers_and_groups_of_environments_run_as_they_are(
+    tokenizer, tmp_path, kind, reply, reward, parts
+):
+    """An XMLParser's answer and format reward; an EnvGroup whose rows (written from its
+    dataset as `data: environment` writes them) route to their environment by
+    `info.env_id` (the last row goes to `b`, which scores 0.5)."""
+    from test_openai_endpoint import TOKEN, _serve
+
+    from async_grpo.environments.harness import drive, reward_of
+    from async_grpo.environments.verifiers_env import VerifiersRollout, _data_row, load_env
+
+    env = load_env("verifiers_envs_for_tests", {"kind": kind, "n": 2})
+    rows = list(env.get_dataset())
+    written = _data_row(rows[-1], len(rows) - 1, "input", "answer")
+    row = {"prompt": written["input"], "answer": "46", "metadata": written["metadata"],
+           "model": "policy"}  # fmt: skip
+
+    async def run(ep, pool):
+        rid, url = ep.open()
+        out = await asyncio.to_thread(drive, VerifiersRollout(env), url, TOKEN, row, 30)
+        return out, ep.close(rid)
+
+    out, traj = _serve(tokenizer, [reply], run)
+    got, named = reward_of(out)
+    assert got == pytest.approx(reward) and parts.items() <= named.items()
+    assert traj.prefix_breaks == 0 and len(traj.segments) == 1

@@ -36,6 +36,32 @@ class Broken(vf.MultiTurnEnv):
         raise KeyError("the environment broke")
 
 
+def _xml(data) -> vf.Environment:
+    """A parser's answer field and its format reward (weight 0.2)."""
+    parser = vf.XMLParser(["think", "answer"], answer_field="answer")
+
+    def correct(completion, answer, **kwargs) -> float:
+        return float((parser.parse_answer(completion) or "").strip() == answer)
+
+    funcs = [correct, parser.get_format_reward_func()]
+    rubric = vf.Rubric(funcs=funcs, weights=[1.0, 0.2], parser=parser)
+    return vf.SingleTurnEnv(dataset=data, parser=parser, rubric=rubric)
+
+
+def _group(data) -> vf.Environment:
+    """Two environments behind one, a row routed by its info's env_id."""
+
+    def one(completion, **kwargs) -> float:
+        return 1.0
+
+    def half(completion, **kwargs) -> float:
+        return 0.5
+
+    a = vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[one]))
+    b = vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[half]))
+    return vf.EnvGroup([a, b], env_names=["a", "b"])
+
+
 def load_environment(kind: str = "single", n: int = 8) -> vf.Environment:
     data = Dataset.from_list(
         [{"question": f"What is {12 + i} * 34?", "answer": str((12 + i) * 34)} for i in range(n)]
@@ -51,6 +77,10 @@ def load_environment(kind: str = "single", n: int = 8) -> vf.Environment:
         return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[not_a_number]))
     if kind == "group":
         return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[relative]))
+    if kind == "xml":
+        return _xml(data)
+    if kind == "group_of_envs":
+        return _group(data)
     if kind == "fails":
         raise RuntimeError("cannot reach the task server")
     raise ValueError(f"unknown kind {kind}")
