@@ -34,6 +34,7 @@ from async_grpo.environments.harness import (
     STUCK_LIMIT,
     THREAD_SLACK_S,
     BadOutput,
+    Pending,
     drive,
     load_rollout,
     reward_of,
@@ -56,6 +57,7 @@ class _Rollout:
     said: str = ""
     trajectory: Trajectory | None = None
     seconds: float = 0.0
+    pending: Pending | None = None  # scored with its group (score_group)
 
 
 class HarnessStuck(RuntimeError):
@@ -141,6 +143,7 @@ class HarnessRunner:
                 run.cancel()
             await asyncio.gather(*runs, return_exceptions=True)
             raise
+        await self._score_group([r for r in rollouts if r.pending is not None])
         silent = [r for r in rollouts if not _trained(r.trajectory)]
         if silent:
             cause = next((r.said for r in silent if r.said), "it returned without asking")
@@ -149,6 +152,28 @@ class HarnessRunner:
                 f"{self.what}: a rollout made no request to the model ({cause})",
             )
         return [s for r in rollouts for s in self._samples(r, min_version)]
+
+    async def _score_group(self, pending: list[_Rollout]) -> None:
+        """The rollouts whose rewards their group gives, scored together in a thread of
+        their own (within `rollout_timeout_s`); each failure counted on every one."""
+        if not pending:
+            return
+        try:
+            job = asyncio.to_thread(self.rollout.score_group, [r.pending for r in pending])
+            scored = await asyncio.wait_for(job, self.timeout_s)
+            for r, s in zip(pending, scored, strict=True):
+                r.reward, r.parts = reward_of(s)
+        except TimeoutError:
+            why, said = "timeout", f"scoring the group past {self.timeout_s:g} s"
+        except BadOutput as e:
+            why, said = "bad_output", str(e)
+        except Exception as e:
+            why, said = "error", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        else:
+            return
+        failed = self._failed(why, said)
+        for r in pending:
+            r.reward, r.parts, r.why, r.said = 0.0, {}, failed.why, failed.said
 
     async def _rollout(
         self, prompt: Prompt, sampling: SamplingSettings, index: int, min_version: int, on_retry
@@ -190,6 +215,8 @@ class HarnessRunner:
             result = await asyncio.wait_for(
                 asyncio.wrap_future(job), self.timeout_s + THREAD_SLACK_S
             )
+            if isinstance(result, Pending):
+                return _Rollout(pending=result)
             reward, parts = reward_of(result)
             return _Rollout(reward, parts)
         except TimeoutError:

@@ -51,6 +51,14 @@ class Scored:
     parts: dict[str, Any]
 
 
+@dataclass
+class Pending:
+    """A finished rollout whose reward its group gives: `state` goes to the rollout
+    function's `score_group` with the group's others (environments/verifiers_env.py)."""
+
+    state: Any
+
+
 def load_rollout(spec: str | None) -> Callable[..., Any]:
     """`module:function` -> an `async def rollout(client, row)`; a one-line ConfigError
     naming `environment.rollout` otherwise."""

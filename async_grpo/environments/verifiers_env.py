@@ -11,8 +11,10 @@ dropped it for a new API. A rollout's input is its data row: the prompt's messag
 environment's `system_prompt` first when the row has none), `answer`, and the row's
 metadata as `info` (rows written from the environment's own dataset keep its own columns
 there, handed back as they were). The reward is the rubric's (its weighted sum);
-every reward function's and metric's value is logged as `reward/<name>`. A rollout the
-environment ended with an error (its `state["error"]`) scores 0 as an `error`.
+every reward function's and metric's value is logged as `reward/<name>`. A rubric with
+group reward functions scores a group's finished rollouts together (those that failed
+score 0 and are not in it). A rollout the environment ended with an error (its
+`state["error"]`) scores 0 as an `error`.
 
 `data: environment` takes the environment's own dataset: written before Ray starts to
 OUTPUT_DIR/environment-data/train.parquet, read from there as any data file.
@@ -20,6 +22,7 @@ OUTPUT_DIR/environment-data/train.parquet, read from there as any data file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from async_grpo.config import ConfigError, RunConfig
-from async_grpo.environments.harness import Scored
+from async_grpo.environments.harness import Pending, Scored
 
 VERSION = "0.3"  # the verifiers release line whose classic API this reads (pyproject pins it)
 ENV_DATA = "environment"  # `data`: the environment's own dataset
@@ -94,10 +97,10 @@ def _load(name: str, args: dict[str, Any], where: str) -> Any:
         quiet.setLevel(level)
     if not isinstance(env, vf.Environment):
         raise ConfigError(f"{where}: load_environment returned {type(env).__name__}")
-    if env.rubric.has_group_rewards or env.requires_group_rollouts:
+    if env.provides_advantages:
         raise ConfigError(
-            f"{where}: its rubric scores whole groups (a group reward function); each"
-            " rollout here is scored on its own. Use per-rollout reward functions"
+            f"{where}: its rubric gives advantages of its own; the run computes them"
+            " (trainer.loss), so use a rubric that gives rewards"
         )
     return env
 
@@ -127,25 +130,46 @@ def _line(e: BaseException) -> str:
 
 class VerifiersRollout:
     """`rollout(client, row)` of one environment: its own rollout against the client's
-    endpoint, scored by its rubric."""
+    endpoint, scored by its rubric; a rubric with group reward functions scores the
+    group's finished rollouts together (`score_group`)."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
+        self.grouped = bool(env.rubric.has_group_rewards)
 
-    async def __call__(self, client: Any, row: dict[str, Any]) -> Scored:
+    async def __call__(self, client: Any, row: dict[str, Any]) -> Scored | Pending:
         from verifiers.clients import OpenAIChatCompletionsClient
 
-        out = await self.env.run_rollout(
+        args = (
             rollout_input(row, self.env.system_prompt),
             OpenAIChatCompletionsClient(client),
             row["model"],
             {},  # the run's sampling settings: the endpoint applies them
         )
-        error = out.get("error")
-        if error:
-            raise RuntimeError(f"the environment ended its rollout with {_said(error)}")
-        metrics = out.get("metrics") or {}
-        return Scored(out.get("reward"), dict(metrics))
+        if self.grouped:
+            state = await self.env.rollout(*args)
+            if state.get("error"):
+                raise RuntimeError(
+                    f"the environment ended its rollout with {_said(state['error'])}"
+                )
+            return Pending(state)
+        out = await self.env.run_rollout(*args)
+        if out.get("error"):
+            raise RuntimeError(f"the environment ended its rollout with {_said(out['error'])}")
+        return Scored(out.get("reward"), dict(out.get("metrics") or {}))
+
+    def score_group(self, pending: list[Pending]) -> list[Scored]:
+        """The rubric's scores of a group's finished rollouts, together (in the calling
+        thread's own event loop)."""
+        states = [p.state for p in pending]
+
+        async def main() -> None:
+            await self.env.rubric.score_group(states)
+            for state in states:
+                await self.env.rubric.cleanup(state)
+
+        asyncio.run(main())
+        return [Scored(s.get("reward"), dict(s.get("metrics") or {})) for s in states]
 
 
 def _said(error: Any) -> str:

@@ -128,7 +128,25 @@ def test_a_single_turn_environment_scores_with_its_rubric(tokenizer, smollm2_dir
     assert stats["reward/mean"] == 0.5
 
 
-@pytest.mark.parametrize("kind,reason", [("broken", "error"), ("nan", "bad_output")])
+def test_a_rubric_with_group_functions_scores_each_group_together(
+    tokenizer, smollm2_dir, monkeypatch
+):
+    """A group reward function sees the group's finished rollouts together: the shortest
+    replies of each group ("It is 1.", odd seeds) score 1.0 and train up."""
+    from test_harness import Pool, _prompts
+
+    pool = Pool(tokenizer)
+    cfg = _cfg("verifiers_envs_for_tests", kind="group")
+    sent, eob, _ = _step_with(pool, cfg, _prompts(tokenizer), smollm2_dir, monkeypatch)
+    assert eob.stats["env/errors"] == 0.0 and {"reward/shortest", "reward/exact"} <= set(eob.stats)
+    assert sent and all(
+        (s.advantage > 0) == tokenizer.decode(s.completion_ids).startswith("It is 1.") for s in sent
+    )
+
+
+@pytest.mark.parametrize(
+    "kind,reason", [("broken", "error"), ("nan", "bad_output"), ("group_breaks", "error")]
+)
 def test_a_misbehaving_environment_scores_0_with_its_reason(
     tokenizer, smollm2_dir, monkeypatch, kind, reason
 ):
@@ -147,7 +165,6 @@ def test_a_misbehaving_environment_scores_0_with_its_reason(
         ({"name": "no_such_env"}, "environment.name=no_such_env: cannot import it"),
         ({"args": {"kind": "fails"}}, "load_environment(**environment.args) failed: Runtime"),
         ({"args": {"kind": "single", "n": "x"}}, "load_environment(**environment.args) failed"),
-        ({"args": {"kind": "group"}}, "its rubric scores whole groups"),
         ({"rollout": "harnesses_for_tests:two_turns"}, "environment.rollout: a verifiers"),
         ({"url": "http://127.0.0.1:1"}, "environment.name/url: a harness"),
         ({"tool_parser": "no_parser"}, "environment.tool_parser: 'no_parser' is not one of"),

@@ -21,9 +21,16 @@ def not_a_number(completion, **kwargs) -> float:
     return math.nan
 
 
-def relative(completions, **kwargs) -> list[float]:
-    """A group reward function: each completion against the others."""
-    return [0.0 for _ in completions]
+def shortest(completions, **kwargs) -> list[float]:
+    """A group reward function: 1.0 for the group's shortest replies."""
+    lengths = [len(c[-1].content or "") for c in completions]
+    return [float(n == min(lengths)) for n in lengths]
+
+
+def group_breaks(completions, **kwargs) -> list[float]:
+    """No score for anyone: `verifiers` itself fails the group's scoring (a function
+    that raises it scores 0 itself)."""
+    return []
 
 
 def add(a: int, b: int) -> int:
@@ -76,7 +83,9 @@ def load_environment(kind: str = "single", n: int = 8) -> vf.Environment:
     if kind == "nan":
         return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[not_a_number]))
     if kind == "group":
-        return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[relative]))
+        return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[exact, shortest]))
+    if kind == "group_breaks":
+        return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[group_breaks]))
     if kind == "xml":
         return _xml(data)
     if kind == "group_of_envs":
