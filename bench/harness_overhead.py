@@ -5,6 +5,10 @@ requests, with the same seeds (so the engine samples the same tokens), one at a 
 
     .venv/bin/python bench/harness_overhead.py --turns 32            # the real engine
     .venv/bin/python bench/harness_overhead.py --turns 256 --instant  # the endpoint alone
+    .venv/bin/python bench/harness_overhead.py --turns 256 --instant --verifiers
+
+`--verifiers`: the rollout is a one-turn `verifiers` environment's (`environment.kind:
+verifiers`: `verifiers`' own client, rollout state and rubric on top of the endpoint).
 
 Prints one JSON line: the CPU kind, ms a turn direct and through the endpoint (the
 harness's thread, its event loop and `openai` client, HTTP on loopback, vLLM's request
@@ -34,12 +38,25 @@ async def one_turn(client, row):
     return 0.0
 
 
+def load_environment():
+    """The `--verifiers` rollout: a one-turn environment, a rubric of one function."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    def zero(completion, **kwargs) -> float:
+        return 0.0
+
+    data = Dataset.from_list([{"question": QUESTION[0]["content"], "answer": "408"}])
+    return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[zero]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--turns", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--instant", action="store_true", help="a pool that answers at once")
+    p.add_argument("--verifiers", action="store_true", help="a verifiers environment's rollout")
     args = p.parse_args()
 
     import ray
@@ -67,7 +84,9 @@ def main() -> None:
     cfg = RunConfig(
         model=str(model),
         generation=gen,
-        environment=EnvironmentConfig(kind="openai", rollout="__main__:one_turn"),
+        environment=EnvironmentConfig(kind="verifiers", name="__main__")
+        if args.verifiers
+        else EnvironmentConfig(kind="openai", rollout="__main__:one_turn"),
     )
     text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False).input_ids  # as the endpoint renders it
@@ -139,6 +158,7 @@ def main() -> None:
             {
                 "cpu": torch.backends.cpu.get_cpu_capability(),
                 "pool": "instant" if args.instant else "vllm fp32",
+                "rollout": "verifiers SingleTurnEnv" if args.verifiers else "openai harness",
                 "turns": n,
                 "max_new_tokens": gen.max_new_tokens,
                 **out,
