@@ -186,15 +186,17 @@ def imported_vllm_architectures() -> set[str]:
     return set(ModelRegistry.get_supported_archs())
 
 
-def environment_data(cfg: RunConfig) -> None:
+def environment_data(cfg: RunConfig, resumed: bool = False) -> None:
     """`data: environment`: the verifiers environment's own dataset, written to a file
-    the run then reads as any other (environments/verifiers_env.py)."""
-    from async_grpo.environments.verifiers_env import ENV_DATA
+    the run then reads as any other (environments/verifiers_env.py). A resumed run reads
+    the file its start wrote: the prompts its sampler's position counts in."""
+    from async_grpo.environments.verifiers_env import ENV_DATA, data_file
 
     if cfg.data == ENV_DATA:
         from async_grpo.environments.verifiers_env import environment_data as write
 
-        cfg.data = write(cfg)
+        kept = data_file(cfg)
+        cfg.data = kept if resumed and Path(kept).is_file() else write(cfg)
 
 
 def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None = None) -> str:
@@ -212,7 +214,7 @@ def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None =
         check_disjoint(validate_placement(cfg))
     model_dir = str(resolve_model(cfg.model))
     preflight(cfg, model_dir, resume)
-    environment_data(cfg)
+    environment_data(cfg, resumed=resume is not None)
     prepare_prompts(
         cfg.data, Path(model_dir), cfg.generation.max_model_len, cfg.prompt_format, cfg.dataset
     )

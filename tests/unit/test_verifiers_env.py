@@ -10,6 +10,7 @@ import asyncio
 import re
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from test_harness import LOGPROB, PLUGINS, _runs, _step
@@ -203,6 +204,10 @@ def test_the_environments_dataset_is_the_runs_data(tmp_path, smollm2_dir):
     first, p = calculator_rows(5, 0)[0], table[0]
     assert p.messages == [{"role": "user", "content": first["input"]}]
     assert p.answer == first["answer"]
+    written = Path(expected).stat().st_mtime_ns
+    resumed = replace(cfg, data="environment", environment=replace(cfg.environment, args={}))
+    environment_data(resumed, resumed=True)  # another dataset now: the run's stays
+    assert resumed.data == expected and Path(expected).stat().st_mtime_ns == written
     row = {"prompt": p.messages, "answer": p.answer, "metadata": dict(p.metadata)}
     got = rollout_input(row)
     assert got["example_id"] == 0 and "task" not in got
