@@ -35,7 +35,8 @@ from typing import Any
 from async_grpo.config import ConfigError, RunConfig
 from async_grpo.environments.harness import Pending, Scored
 
-VERSION = "0.3"  # the verifiers release line whose classic API this reads (pyproject pins it)
+VERSION = "0.3"  # the verifiers release line whose classic API this reads
+PIN = "0.3.1"  # the release scripts/setup.sh installs (pyproject.toml's `verifiers` extra)
 ENV_DATA = "environment"  # `data`: the environment's own dataset
 ROW_KEY = "verifiers_row"  # metadata: the environment's own columns of a row, as JSON text
 
@@ -57,20 +58,20 @@ def load_env(name: str | None, args: dict[str, Any]) -> Any:
 
 
 def _load(name: str, args: dict[str, Any], where: str) -> Any:
+    install = f"pip install 'async-grpo[verifiers]' and pip install --no-deps verifiers=={PIN}"
     try:
-        import verifiers
+        import verifiers as vf
     except ImportError as e:
         raise ConfigError(
-            f"{where}: kind verifiers needs the verifiers package ({e});"
-            " pip install 'async-grpo[verifiers]' (scripts/setup.sh installs it)"
+            f"{where}: kind verifiers needs the verifiers package ({e}); {install}"
+            " (scripts/setup.sh does both)"
         ) from None
-    found = getattr(verifiers, "__version__", "?")
+    found = getattr(vf, "__version__", "?")
     if not found.startswith(VERSION + "."):
         raise ConfigError(
             f"{where}: verifiers {found} is installed; kind verifiers reads the classic API"
-            f" of verifiers {VERSION}.x (pip install 'verifiers=={VERSION}.1' --no-deps)"
+            f" of verifiers {VERSION}.x ({install})"
         )
-    import verifiers as vf
     import verifiers.legacy.envs.environment as vf_environment
 
     from async_grpo.data.forms import quiet_datasets
