@@ -23,7 +23,7 @@ from typing import Any
 
 from async_grpo.errors import UserError
 
-POOLS = ("generation", "logprob", "verifier", "environment")
+POOLS = ("generation", "logprob", "verifier", "environment", "judge", "reward_model")
 NO_MODEL = ("verifier", "environment")
 
 
@@ -33,7 +33,8 @@ def add_cluster_parsers(sub: Any) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="model folder or prepared name (not for verifier, environment)",
+        help="model folder or prepared name (not for verifier, environment; judge and"
+        " reward_model: default verifier.judge.model, verifier.reward_model.model)",
     )
     p.add_argument("--num-workers", type=int, default=None, help="default: from the config")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
@@ -82,6 +83,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from async_grpo.config_checks import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.mode in ("judge", "reward_model") and args.model is None:
+        args.model = getattr(cfg.verifier, args.mode).model
+        if args.model is None:
+            raise UserError(f"verifier.{args.mode}.model: required for --mode {args.mode}")
     if args.mode not in NO_MODEL and args.model is None:
         args.model = cfg.model
     from async_grpo import pools
@@ -161,6 +166,14 @@ def _start(args: argparse.Namespace, cfg: Any, n: int | None = None) -> list[Any
         return pools.start_generation_workers(
             model, cfg.generation, n, args.device, adapters=pools.serving_adapters(cfg)
         )
+    if args.mode == "judge":
+        n = n or args.num_workers or cfg.verifier.judge.num_workers
+        return pools.begin_judge_workers(model, cfg.verifier.judge, n, args.device).wait()
+    if args.mode == "reward_model":
+        n = n or args.num_workers or cfg.verifier.reward_model.num_workers
+        return pools.begin_reward_model_workers(
+            model, cfg.verifier.reward_model, n, args.device
+        ).wait()
     n = n or args.num_workers or cfg.logprob.num_workers
     return pools.start_logprob_workers(
         model, cfg.logprob, n, args.device, cfg.trainer.loss.temperature

@@ -82,8 +82,53 @@ class OverlongConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM judge served by its own vLLM workers (rewards/judge.py): each completion is
+    put in `template` with its question and reference answer, and the verdict is read as
+    the probability of a yes token (`verdict: yes_prob`, one forward, no sampling) or as
+    the number `pattern` finds in the judge's greedy reply (`verdict: pattern`)."""
+
+    model: str | None = None  # a model folder or prepared name; None: no judge
+    template: str | None = None  # the prompt, with {question} {answer} {completion}; None: built-in
+    verdict: Literal["yes_prob", "pattern"] = "yes_prob"  # P(yes) of the first token, or a number
+    yes: list[str] = field(default_factory=lambda: ["yes"])  # yes_prob: the yes words
+    no: list[str] = field(default_factory=lambda: ["no"])  # yes_prob: the no words
+    pattern: str = r"(?i)score:\s*(-?\d+(?:\.\d+)?)"  # pattern: group 1 is the number
+    score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])  # pattern: -> [0, 1]
+    max_tokens: int = 32  # pattern: the judge's reply at most
+    timeout_s: float = 60.0  # a group's verdicts past this get `fallback` (judge/timeout)
+    fallback: float = 0.0  # the score of a verdict that timed out, failed or did not parse
+    num_workers: int = 1  # judge workers (one vLLM engine each)
+    max_concurrent_seqs: int = 32  # judgements a worker runs at once
+    max_model_len: int = 2048  # the rendered prompt (+ reply) at most
+    dtype: ComputeDtype = "auto"  # as generation.dtype
+    kv_cache_gib: float = 1.0  # CPU KV cache of a judge engine
+    gpu_memory_utilization: float = 0.3  # GPU share of a judge engine
+    threads: int = 1  # CPU threads per judge engine
+    cpus: str | None = None  # cores of the judge engines; None: any
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence-classification reward model (one score per sequence) served by its own
+    transformers workers in token-budgeted batches (rewards/reward_model.py)."""
+
+    model: str | None = None  # a folder with an AutoModelForSequenceClassification; None: none
+    timeout_s: float = 60.0  # a group's scores past this get `fallback` (reward_model/timeout)
+    fallback: float = 0.0  # the score of a sample that timed out, failed or was not finite
+    num_workers: int = 1  # reward-model workers (one transformers model each)
+    max_tokens_per_batch: int = 4096  # padded tokens in one forward
+    max_length: int = 2048  # a longer prompt + completion keeps its last tokens
+    dtype: ComputeDtype = "auto"  # as logprob.dtype
+    threads: int = 1  # CPU threads per worker
+    cpus: str | None = None  # cores of the reward-model workers; None: any
+
+
+@dataclass
 class VerifierConfig:
-    """CPU reward workers; each score runs in a subprocess killed at `timeout_s`."""
+    """Rule rewards on CPU workers, each score in a subprocess killed at `timeout_s`; model
+    rewards (`judge`, `reward_model`) on pools of their own. A sample's reward is the
+    rules' reward (`combine`) plus each model reward times `weights[name]` (default 1)."""
 
     num_workers: int = 1
     rewards: list[str] = field(default_factory=lambda: ["countdown"])
@@ -93,6 +138,15 @@ class VerifierConfig:
     max_concurrency: int = 4  # scoring subprocesses per worker
     max_error_fraction: float = 1.0  # a step with this share of samples failing to score stops
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+    @property
+    def models(self) -> list[str]:
+        """The model rewards this run scores with, by name (`judge`, `reward_model`)."""
+        return [
+            n for n, c in (("judge", self.judge), ("reward_model", self.reward_model)) if c.model
+        ]
 
 
 @dataclass
@@ -252,6 +306,7 @@ class EvalConfig:
     max_new_tokens: int | None = None  # None: generation.max_new_tokens
     pass_threshold: float = 1.0  # a sample passes at this reward or above
     rewards: list[str] | None = None  # None: verifier.rewards (combined the same way)
+    models: list[str] | None = None  # model rewards added (judge, reward_model); None: the run's
     max_concurrent_seqs: int = 32  # eval sequences in flight at once, over the whole pool
     timeout_s: float = 600.0  # one evaluation, all of it; the next push waits for it
     seed: int = 0  # sampling seeds per question (the same at every version)

@@ -183,8 +183,18 @@ def validate_verifier(cfg: RunConfig) -> None:
         missing = [r for r in v.rewards if r not in v.weights]
         if missing:
             raise ConfigError(f"verifier.weights: no weight for reward {missing[0]!r}")
-    if not v.rewards:
-        raise ConfigError("verifier.rewards: at least one reward is required")
+    if not v.rewards and not v.models:
+        raise ConfigError(
+            "verifier.rewards: at least one reward is required (or a model reward:"
+            " verifier.judge.model, verifier.reward_model.model)"
+        )
+    unknown = [k for k in v.weights if k not in v.rewards and k not in v.models]
+    if unknown:
+        raise ConfigError(
+            f"verifier.weights: {unknown[0]!r} names no reward of this run"
+            f" (rewards: {', '.join([*v.rewards, *v.models])})"
+        )
+    validate_model_rewards(cfg)
     o, limit = v.overlong, cfg.generation.max_new_tokens
     if not (0 <= o.buffer < limit) or o.penalty < 0:
         raise ConfigError(
@@ -196,6 +206,58 @@ def validate_verifier(cfg: RunConfig) -> None:
             "verifier.overlong: the penalty applies to single-turn completions; an"
             " environment scores its own episodes (give the length penalty there)"
         )
+
+
+def validate_model_rewards(cfg: RunConfig) -> None:
+    """The judge's template, verdict settings and limits; the reward model's limits."""
+    import re
+
+    v = cfg.verifier
+    missing = [m for m in (cfg.eval.models or []) if m not in v.models]
+    if missing:
+        raise ConfigError(
+            f"eval.models: {missing[0]!r} is not a model reward of this run"
+            f" (verifier.judge.model / verifier.reward_model.model; this run's: {v.models})"
+        )
+    for name in v.models:
+        sub = getattr(v, name)
+        for key in ("num_workers", "timeout_s", "threads"):
+            if getattr(sub, key) <= 0:
+                raise ConfigError(f"verifier.{name}.{key}: must be > 0, got {getattr(sub, key)}")
+        if cfg.environment.multi_turn:
+            raise ConfigError(
+                f"verifier.{name}: model rewards score single-turn completions; an environment"
+                " scores its own episodes"
+            )
+    j = v.judge
+    if not j.model:
+        return
+    from async_grpo.rewards.judge import judge_template
+
+    template = judge_template(j)
+    if "{completion}" not in template:
+        raise ConfigError(
+            "verifier.judge.template: has no {completion} field (its fields: {question},"
+            " {answer}, {completion})"
+        )
+    if j.max_concurrent_seqs < 1 or j.max_tokens < 1:
+        raise ConfigError("verifier.judge.max_concurrent_seqs/max_tokens: must be >= 1")
+    if j.verdict == "yes_prob" and not (j.yes and j.no):
+        raise ConfigError("verifier.judge.yes/no: need at least one word each")
+    if j.verdict == "pattern":
+        try:
+            groups = re.compile(j.pattern).groups
+        except re.error as e:
+            raise ConfigError(
+                f"verifier.judge.pattern: {j.pattern!r} is not a regex ({e})"
+            ) from None
+        if groups < 1:
+            raise ConfigError(
+                f"verifier.judge.pattern: {j.pattern!r} has no group; group 1 is the score"
+            )
+        r = j.score_range
+        if len(r) != 2 or not r[0] < r[1]:
+            raise ConfigError(f"verifier.judge.score_range: expected [low, high], got {r}")
 
 
 def validate_devices(cfg: RunConfig) -> None:
@@ -398,7 +460,8 @@ def validate_eval(cfg: RunConfig) -> None:
         raise ConfigError(
             f"eval.max_new_tokens: must be in 1..{cfg.generation.max_model_len - 1}, got {n}"
         )
-    if e.rewards is not None and not e.rewards:
+    models = cfg.verifier.models if e.models is None else e.models
+    if e.rewards is not None and not e.rewards and not models:
         raise ConfigError("eval.rewards: name at least one reward, or leave it out")
     if cfg.environment.multi_turn:
         raise ConfigError(
@@ -445,6 +508,8 @@ def validate_placement(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
         ("generation", cfg.generation),
         ("logprob", cfg.logprob),
         ("trainer", cfg.trainer),
+        ("verifier.judge", cfg.verifier.judge),
+        ("verifier.reward_model", cfg.verifier.reward_model),
     ):
         if section.cpus is not None:
             where = f"{key}.cpus"

@@ -16,7 +16,9 @@ from typing import Any
 from async_grpo.config import (
     EnvironmentConfig,
     GenerationConfig,
+    JudgeConfig,
     LogprobConfig,
+    RewardModelConfig,
     RunConfig,
     VerifierConfig,
 )
@@ -26,6 +28,7 @@ from async_grpo.ray_utils import NAMESPACE, actor_node, registry_name
 
 START_TIMEOUT_S = 900.0
 VERIFIER_CAPACITY = 4096  # samples a verifier worker accepts at once
+POOLS = ("generation", "logprob", "verifier", "environment", "judge", "reward_model")
 
 
 def worker_ids(prefix: str, count: int) -> list[str]:
@@ -257,6 +260,68 @@ def begin_logprob_workers(
     )
 
 
+def begin_judge_workers(
+    model_dir: str,
+    cfg: JudgeConfig,
+    count: int,
+    device: str = "cpu",
+    detached: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+    log_dir: Path | None = None,
+) -> Starting:
+    """`count` vLLM judge workers serving `model_dir` (rewards/judge.py), starting."""
+    from async_grpo.inference.engine_args import vllm_env
+    from async_grpo.rewards.judge import JudgeWorker, engine_config
+
+    opts = {
+        "num_cpus": cfg.threads if device == "cpu" else 1,
+        "num_gpus": 1 if device == "cuda" else 0,
+        "runtime_env": {"env_vars": vllm_env(engine_config(cfg), device)},
+        "max_restarts": 0,
+    }
+    return _start_pool(
+        JudgeWorker,
+        "judge",
+        "judge",
+        opts,
+        count,
+        detached,
+        timeout_s,
+        lambda wid: (model_dir, cfg, wid, device),
+        log_dir,
+    )
+
+
+def begin_reward_model_workers(
+    model_dir: str,
+    cfg: RewardModelConfig,
+    count: int,
+    device: str = "cpu",
+    detached: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+    log_dir: Path | None = None,
+) -> Starting:
+    """`count` transformers reward-model workers (rewards/reward_model.py), starting."""
+    from async_grpo.rewards.reward_model import RewardModelWorker
+
+    opts = {
+        "num_cpus": cfg.threads if device == "cpu" else 1,
+        "num_gpus": 1 if device == "cuda" else 0,
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.threads)}},
+    }
+    return _start_pool(
+        RewardModelWorker,
+        "reward_model",
+        "rm",
+        opts,
+        count,
+        detached,
+        timeout_s,
+        lambda wid: (model_dir, cfg, wid, device),
+        log_dir,
+    )
+
+
 def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
     """Drain then kill: the two-phase stop (no orphan engines). Every registry forgets
     them, also the workers that do not deregister themselves (verifiers)."""
@@ -265,7 +330,7 @@ def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
     refs = [w.stop.remote(drain_timeout_s) for w in workers]
     ray.wait(refs, num_returns=len(refs), timeout=drain_timeout_s + 30)
     registries = []
-    for pool in ("generation", "logprob", "verifier", "environment"):
+    for pool in POOLS:
         with contextlib.suppress(ValueError):
             registries.append(ray.get_actor(registry_name(pool), namespace=NAMESPACE))
     forgotten = [r.deregister_handles.remote(workers) for r in registries]

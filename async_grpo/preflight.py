@@ -30,12 +30,48 @@ def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None
 
         for name in cfg.verifier.rewards:
             get_reward(name)
+        check_model_rewards(cfg)
     else:
         check_turn_template(cfg, Path(model_dir))
     check_model(Path(model_dir), run_attentions(cfg))
     lora = check_lora_targets(cfg, Path(model_dir)) if cfg.trainer.lora.rank else None
     if resumed is not None:
         check_resumed_lora(resumed, lora)
+
+
+def check_model_rewards(cfg: RunConfig) -> None:
+    """The judge's model is one vLLM serves, with a tokenizer; the reward model's folder
+    holds a one-label sequence classifier (rewards/reward_model.py)."""
+    from transformers import AutoConfig
+
+    from async_grpo.models import resolve_model
+
+    v = cfg.verifier
+    for name in v.models:
+        key = f"verifier.{name}.model"
+        try:
+            folder = resolve_model(getattr(v, name).model)
+        except UserError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{key}: transformers cannot read {folder} ({first})") from None
+        archs = list(getattr(config, "architectures", None) or [])
+        if name == "judge" and not any(a in vllm_architectures() for a in archs):
+            raise ConfigError(
+                f"{key}: vLLM serves none of {folder}'s architectures {archs}; the judge"
+                " runs on vLLM"
+            )
+        if name == "reward_model":
+            from async_grpo.rewards.reward_model import is_classifier
+
+            why = is_classifier(config)
+            if why is not None:
+                raise ConfigError(f"{key}: {folder} is not a reward model: {why}")
+        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ConfigError(f"{key}: {folder} has no tokenizer (tokenizer.json)")
 
 
 def check_turn_template(cfg: RunConfig, model_dir: Path) -> None:

@@ -35,7 +35,14 @@ from async_grpo.errors import EXIT_FILE_ENV
 from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
 HEAD_START_TIMEOUT_S = 120.0
-POOL_ORDER = ("verifier", "environment", "logprob", "generation")  # quickest first
+POOL_ORDER = (
+    "verifier",
+    "environment",
+    "reward_model",
+    "logprob",
+    "judge",
+    "generation",
+)  # quickest first
 # `async-grpo run` starts its ranks while its pools start; a rank waits for this file
 POOLS_READY_ENV = "ASYNC_GRPO_POOLS_READY"
 POOLS_READY_TIMEOUT_S = 1800.0  # longer than any pool's start timeout: the run gives up first
@@ -419,9 +426,14 @@ def pool_starters(
     counts = {"generation": cfg.generation.num_workers}
     if cfg.environment.harness:  # a harness scores its rollouts in the batcher
         pass
-    elif cfg.environment.name is None:  # single-turn: the verifiers score
-        starters["verifier"] = lambda n: pools.begin_verifier_workers(cfg.verifier, n, log_dir=logs)
-        counts["verifier"] = cfg.verifier.num_workers
+    elif cfg.environment.name is None:  # single-turn: the verifiers and reward models score
+        if cfg.verifier.rewards or (cfg.eval.data and cfg.eval.rewards):  # rules score
+            starters["verifier"] = lambda n: pools.begin_verifier_workers(
+                cfg.verifier, n, log_dir=logs
+            )
+            counts["verifier"] = cfg.verifier.num_workers
+        starters |= model_reward_starters(cfg, logs)
+        counts |= {name: getattr(cfg.verifier, name).num_workers for name in cfg.verifier.models}
     else:  # multi-turn: the environments score
         starters["environment"] = lambda n: pools.begin_environment_workers(
             cfg.environment, n, log_dir=logs
@@ -433,6 +445,26 @@ def pool_starters(
         )
         counts["logprob"] = cfg.logprob.num_workers
     return starters, counts
+
+
+def model_reward_starters(cfg: RunConfig, logs: Path | None) -> dict[str, Callable[[int], Any]]:
+    """What starts n workers of each model reward's pool (judge, reward model)."""
+    from async_grpo import pools
+    from async_grpo.models import resolve_model
+
+    v, device = cfg.verifier, cfg.trainer.device
+    starters: dict[str, Callable[[int], Any]] = {}
+    if v.judge.model:
+        judge_dir = str(resolve_model(v.judge.model))
+        starters["judge"] = lambda n: pools.begin_judge_workers(
+            judge_dir, v.judge, n, device, log_dir=logs
+        )
+    if v.reward_model.model:
+        rm_dir = str(resolve_model(v.reward_model.model))
+        starters["reward_model"] = lambda n: pools.begin_reward_model_workers(
+            rm_dir, v.reward_model, n, device, log_dir=logs
+        )
+    return starters
 
 
 def trainer_env(

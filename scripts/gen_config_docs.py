@@ -76,7 +76,7 @@ DESCRIPTIONS: dict[str, str] = {
     "logprob.dtype": "dtype of the reference model (auto as for generation)",
     "logprob.threads": "CPU threads per log-prob worker (also what it reserves from Ray)",
     "verifier.num_workers": "verifier actors; each scores in its own sandbox subprocesses",
-    "verifier.rewards": "reward functions by name: built-ins `countdown`, `math`, `exact`,"
+    "verifier.rewards": "rule reward functions by name ([] with a model reward alone): built-ins `countdown`, `math`, `exact`,"
     " registered names or `module.path:function` ([rewards.md](rewards.md))",
     "verifier.combine": "how several rewards fold into one score",
     "verifier.weights": "weight per reward name, for `combine: weighted` (every reward needs one)",

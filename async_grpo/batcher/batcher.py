@@ -136,6 +136,9 @@ class ExperienceBatcher:
         harness, env_run = e.harness, e.multi_turn
         if self._clients is None:
             pools = ["generation"] + ([] if harness else ["environment" if env_run else "verifier"])
+            if not (harness or env_run or self.cfg.verifier.rewards):  # model rewards alone
+                pools.remove("verifier")
+            pools += [] if env_run else self.cfg.verifier.models
             pools += ["logprob"] if self._kl else []
             self._clients = {p: PoolClient(p) for p in pools}
             # a pool with no registry fails the start, not each group as a counted drop
@@ -159,6 +162,7 @@ class ExperienceBatcher:
             self.score_spans,
             self._kl,
             self.group_failures,
+            self.counters,
         )
         await self.clock.read(self._clients["generation"])  # the window starts here
         self._version_changed = asyncio.Condition()

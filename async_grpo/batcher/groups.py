@@ -9,6 +9,7 @@ the step's books (`samples/*`, `dropped/*`), so the books balance whatever happe
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class GroupMaker:
     score_spans: dict[int, list[dict]]
     kl: bool  # the KL penalty is on: each group gets reference log-probs
     group_failures: dict[int, dict[str, set[str]]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # the run's
 
     async def find(
         self, step: int, slot: int, index: int, attempts: int = GROUP_ATTEMPTS
@@ -111,6 +113,7 @@ class GroupMaker:
                 step,
                 reissued,
                 self.score_spans[step],
+                self.counters,
             )
         if group is None:
             return None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import defaultdict
 from typing import Any
 
 from async_grpo.batcher.types import ScoredSample
@@ -21,11 +23,15 @@ async def single_turn_group(
     step: int,
     reissued: Any,
     spans: list[dict] | None = None,
+    counters: dict[str, float] | None = None,
 ) -> list[ScoredSample] | None:
     """The scored group (advantages left 0.0 for the caller), or None when it came back
     staler than the bound. `books` gets the step's sample counts; `score_book` is the step's
     [failed, scored, first reasons] of the verifier; `spans` gets the scoring's timeline
-    span."""
+    span; `counters` the model rewards' outcomes over the run (batcher/model_scores.py).
+    Rule rewards (the verifier pool) and model rewards (the judge and reward-model pools)
+    are asked for at once."""
+    from async_grpo.batcher.model_scores import add_model_rewards, model_scores
     from async_grpo.rewards import RewardInput
 
     n, ids = cfg.batcher.samples_per_question, prompt.input_token_ids
@@ -38,12 +44,24 @@ async def single_turn_group(
         books["dropped/stale"] += n
         return None
     t0 = time.time()
-    scored = await clients["verifier"].call(
-        n,
-        "score",
-        [RewardInput(prompt.input, c.text, prompt.answer, prompt.metadata) for c in completions],
-        on_retry=reissued,
+    texts = [c.text for c in completions]
+
+    async def by_rules() -> list[Any]:
+        if not cfg.verifier.rewards:  # model rewards alone
+            return [None] * n
+        return await clients["verifier"].call(
+            n,
+            "score",
+            [RewardInput(prompt.input, t, prompt.answer, prompt.metadata) for t in texts],
+            on_retry=reissued,
+        )
+
+    counters = counters if counters is not None else defaultdict(float)
+    rules, by_model = await asyncio.gather(
+        by_rules(),
+        model_scores(cfg.verifier, cfg.verifier.models, clients, counters, prompt, texts, reissued),
     )
+    scored = add_model_rewards(cfg.verifier, rules, by_model) if by_model else rules
     if spans is not None:
         spans.append({"lane": "verifier", "what": "score", "start": t0, "end": time.time()})
     books["samples/scored"] += len(scored)

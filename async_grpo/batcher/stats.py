@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from async_grpo.batcher.model_scores import model_counter_keys
 from async_grpo.batcher.types import ScoredSample
 from async_grpo.environments.pool import STATS_KEYS as ENV_STATS_KEYS
 from async_grpo.errors import UserError
@@ -50,7 +51,7 @@ def ledger(books: dict[str, float]) -> dict[str, float]:
 
 def drain_counters(b: Any, step: int) -> dict[str, float]:
     """The ExperienceBatcher `b`'s books and drops of `step` (every group of the step has
-    reported by now) and the run's packing efficiency so far; its failure reasons and
+    reported by now), the model rewards' outcomes and the run's packing efficiency so far; its failure reasons and
     causes kept for the trainer to ask."""
     out = ledger(b.books.pop(step, {}))
     failed, scored, reasons = b.score_failures.pop(step, [0, 0, []])
@@ -59,6 +60,7 @@ def drain_counters(b: Any, step: int) -> dict[str, float]:
     b.failure_reasons.pop(step - 16, None)  # bounded: the trainer asks within a step
     b.group_causes[step] = failure_causes(b.group_failures.pop(step, {}))
     b.group_causes.pop(step - 16, None)
+    out |= {k: float(b.counters.get(k, 0.0)) for k in model_counter_keys(b.cfg)}
     budget = b.counters.get("packed_budget", 0.0)
     if budget:
         out["packing_efficiency"] = b.counters["packed_tokens"] / budget

@@ -65,7 +65,12 @@ class EvalHook(TrainingHook):
                 runtime_env=actor_runtime_env(None, logs, "evaluator"),
                 **on_this_node(),
             )
-            .remote(self.cfg.eval, self.cfg.generation.max_new_tokens, self.prompts)
+            .remote(
+                self.cfg.eval,
+                self.cfg.generation.max_new_tokens,
+                self.prompts,
+                verifier=self.cfg.verifier,
+            )
         )
 
     @staticmethod

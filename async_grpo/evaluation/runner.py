@@ -1,4 +1,5 @@
-"""Evaluator: held-out prompts through a generation pool and a verifier pool, at a version.
+"""Evaluator: held-out prompts through a generation pool and a verifier pool (and the
+judge and reward-model pools, with model rewards), at a version.
 
 A plain class: `async-grpo eval` drives `evaluate` in-process against private workers
 (`DirectClient`); during a run it is a Ray actor that the `EvalHook` on trainer rank 0
@@ -12,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import defaultdict
 from typing import Any
 
-from async_grpo.config import EvalConfig
+from async_grpo.config import EvalConfig, VerifierConfig
 from async_grpo.data import Prompt
 from async_grpo.evaluation.scoring import EvalResult, EvalSample, summarize
 from async_grpo.inference.types import SamplingSettings
@@ -32,6 +34,7 @@ class Evaluator:
         max_new_tokens: int,
         prompts: list[Prompt],
         clients: dict[str, Any] | None = None,
+        verifier: VerifierConfig | None = None,
     ) -> None:
         from async_grpo.logs import to_file
 
@@ -39,6 +42,11 @@ class Evaluator:
         if any(p.input_token_ids is None for p in prompts):
             raise ValueError("Evaluator needs tokenized prompts (input_token_ids)")
         self.cfg, self.prompts, self._clients = cfg, prompts, clients
+        self.verifier = verifier or VerifierConfig()
+        v = self.verifier
+        self.rules = v.rewards if cfg.rewards is None else cfg.rewards
+        self.models = v.models if cfg.models is None else cfg.models
+        self.counters: dict[str, float] = defaultdict(float)  # the model rewards' outcomes
         self.max_new_tokens = cfg.max_new_tokens or max_new_tokens
         self._running: dict[int, asyncio.Task] = {}
         self._finished: list[EvalResult] = []
@@ -47,7 +55,8 @@ class Evaluator:
         if self._clients is None:
             from async_grpo.inference.client import PoolClient
 
-            self._clients = {p: PoolClient(p) for p in ("generation", "verifier")}
+            pools = ["generation"] + (["verifier"] if self.rules else []) + self.models
+            self._clients = {p: PoolClient(p) for p in pools}
         return self._clients
 
     async def evaluate(self, version: int) -> EvalResult:
@@ -113,6 +122,7 @@ class Evaluator:
                 return
 
     async def _question(self, q: int, prompt: Prompt, version: int) -> list[EvalSample]:
+        from async_grpo.batcher.model_scores import add_model_rewards, model_scores
         from async_grpo.rewards import RewardInput
 
         c, pools = self.cfg, self._pools()
@@ -125,9 +135,20 @@ class Evaluator:
         items = [
             RewardInput(prompt.input, x.text, prompt.answer, prompt.metadata) for x in completions
         ]
-        scored = await pools["verifier"].call(
-            len(items), "score", items, rewards=c.rewards, evaluation=True
+
+        async def by_rules() -> list[Any]:
+            if not self.rules:
+                return [None] * len(items)
+            return await pools["verifier"].call(
+                len(items), "score", items, rewards=c.rewards, evaluation=True
+            )
+
+        texts = [x.text for x in completions]
+        rules, by_model = await asyncio.gather(
+            by_rules(),
+            model_scores(self.verifier, self.models, pools, self.counters, prompt, texts),
         )
+        scored = add_model_rewards(self.verifier, rules, by_model) if by_model else rules
         return [
             EvalSample(
                 q,

@@ -129,4 +129,6 @@ def pool_subject(cfg: Any, pool: str, model: str | None = None) -> str:
         return subject("environment", [cfg.environment.url or cfg.environment.name])
     if pool == "verifier":
         return subject("reward function", cfg.verifier.rewards)
+    if pool in ("judge", "reward_model"):
+        return subject(f"{pool.replace('_', ' ')} model", [getattr(cfg.verifier, pool).model])
     return subject("model", [model or cfg.model])

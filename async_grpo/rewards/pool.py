@@ -14,6 +14,7 @@ from typing import Any
 
 from async_grpo.config import VerifierConfig
 from async_grpo.faults import fault_point
+from async_grpo.inference.types import RequestError
 from async_grpo.rewards.registry import CombinedReward, RewardInput, RewardOutput, get_reward
 from async_grpo.rewards.sandbox import DEFAULT_MEMORY_BYTES, SandboxPool
 
@@ -28,13 +29,15 @@ class VerifierWorker:
         from async_grpo.logs import to_file
 
         to_file()  # a quiet run: this actor's output to its own log file
-        scorer = CombinedReward(
-            rewards={name: get_reward(name) for name in cfg.rewards},
-            rule=cfg.combine,
-            weights=dict(cfg.weights),
-        )
-        self._sandbox = SandboxPool(scorer, cfg.max_concurrency, cfg.timeout_s, memory_bytes)
         self._cfg, self._memory_bytes = cfg, memory_bytes
+        self._sandbox: SandboxPool | None = None  # none in a run scored by models alone
+        if cfg.rewards:  # (its held-out evaluation may still score with eval.rewards)
+            scorer = CombinedReward(
+                rewards={name: get_reward(name) for name in cfg.rewards},
+                rule=cfg.combine,
+                weights=dict(cfg.weights),
+            )
+            self._sandbox = SandboxPool(scorer, cfg.max_concurrency, cfg.timeout_s, memory_bytes)
         self._others: dict[tuple[str, ...], SandboxPool] = {}  # eval.rewards, made on first use
         self._stopping = False
         self.spec = reward_spec(cfg)
@@ -50,6 +53,8 @@ class VerifierWorker:
 
     def _sandbox_for(self, rewards: list[str] | None) -> SandboxPool:
         if rewards is None or list(rewards) == list(self._cfg.rewards):
+            if self._sandbox is None:
+                raise RequestError("verifier: this run has no rule rewards (verifier.rewards)")
             return self._sandbox
         key = tuple(rewards)
         if key not in self._others:
@@ -62,12 +67,15 @@ class VerifierWorker:
 
     def stats(self) -> dict[str, int]:
         """Counters since start (see `SandboxPool.stats`)."""
+        if self._sandbox is None:
+            return dict.fromkeys(STATS_KEYS, 0)
         return self._sandbox.stats()
 
     def close(self) -> None:
         """Kill the scoring subprocesses."""
         for sandbox in (self._sandbox, *self._others.values()):
-            sandbox.close()
+            if sandbox is not None:
+                sandbox.close()
 
     def ping(self) -> dict[str, Any]:
         return {"stopping": self._stopping, "reward_spec": self.spec, **self.stats()}
@@ -81,7 +89,7 @@ class VerifierWorker:
 
 def reward_spec(cfg: VerifierConfig) -> str:
     """What a verifier scores with, as one comparable line."""
-    weights = ", ".join(f"{k}={v:g}" for k, v in sorted(cfg.weights.items()))
+    weights = ", ".join(f"{k}={v:g}" for k, v in sorted(cfg.weights.items()) if k in cfg.rewards)
     spec = f"{'+'.join(cfg.rewards)} combined by {cfg.combine}"
     return spec + (f" ({weights})" if cfg.combine == "weighted" else "")
 
