@@ -8,9 +8,10 @@ def forget_pools(timeout_s: float = 60.0) -> None:
 
     import ray
 
+    from async_grpo.pools import POOLS
     from async_grpo.ray_utils import NAMESPACE, registry_name
 
-    names = [registry_name(p) for p in ("generation", "logprob", "verifier", "environment")]
+    names = [registry_name(p) for p in POOLS]
     for name in names:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))

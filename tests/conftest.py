@@ -74,6 +74,31 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_from=smollm2_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 2-layer random one-label Llama classifier (a reward model) with SmolLM2's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    folder = tmp_path_factory.mktemp("rm") / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def _group(item) -> str:
     name = item.path.name
     return "smollm2-engines" if name in SMOLLM2_ENGINES else name

@@ -70,7 +70,7 @@ def build_trainer(
     connect(address, log_to_driver=verbose)
     if not verbose:  # Ray's "(raylet) A worker died ..." lines (the batcher's, evaluator's)
         ray_errors_to_file(log_dir(cfg.output_dir) / "ray.log")
-    if rank == 0 and not cfg.environment.multi_turn:  # an environment run scores itself
+    if rank == 0 and not cfg.environment.multi_turn and cfg.verifier.rewards:  # rules score
         from async_grpo.rewards.pool import check_verifiers
 
         check_verifiers(cfg.verifier)

@@ -1,6 +1,7 @@
 """Held-out evaluation as a user runs it: inside `async-grpo run` (real Ray, vLLM engine,
-verifier pool, trainer) with a user hook, and `async-grpo eval` on the
-real SmolLM2 and on a checkpoint folder."""
+a judge pool as the only training reward, the verifier pool for the evaluation's rule
+reward, trainer) with a user hook, and `async-grpo eval` on the real SmolLM2 and on a
+checkpoint folder."""
 
 import json
 import subprocess
@@ -39,7 +40,9 @@ def _run(tiny_model_dir, out, steps, *extra, expect=0):
 
 
 @pytest.fixture(scope="module")
-def run_with_eval(tiny_model_dir, tmp_path_factory):
+def run_with_eval(tiny_model_dir, smollm2_dir, tmp_path_factory):
+    """The judge (SmolLM2, yes-token probability) is the training's only reward; the
+    held-out evaluation adds a rule reward to it."""
     out = tmp_path_factory.mktemp("eval") / "run"
     events = out.parent / "events.jsonl"
     r = _run(
@@ -55,6 +58,11 @@ def run_with_eval(tiny_model_dir, tmp_path_factory):
         "eval.pass_threshold=0.3",
         "sample_every=2",
         f"hooks=[{{path: 'hooks_for_tests:EventLog', args: {{path: '{events}'}}}}]",
+        "verifier.rewards=[]",
+        f"verifier.judge.model={smollm2_dir}",
+        "verifier.judge.max_model_len=512",
+        "verifier.judge.kv_cache_gib=1",
+        "eval.rewards=[rewards_for_tests:vowel_share]",
     )
     (out.parent / "console.txt").write_text(r.stdout)
     rows = [json.loads(x) for x in (out / "training_metrics.jsonl").read_text().splitlines()]
@@ -67,14 +75,19 @@ def test_evaluations_of_the_pushed_versions_are_metrics_rows(run_with_eval):
     evals = [r for r in rows if "eval/policy_version" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert [r["step"] for r in evals] == [0, 2, 4]  # the start, every 2, the final weights
-    # the verifier's own counters are the training's: the evaluations' 36 samples are not in
-    assert train[-1]["verifier/scored"] == sum(r["samples/scored"] for r in train)
+    # the judge is the training's reward; its counters are the training's: the evaluations'
+    # 36 samples are not in
+    assert train[-1]["judge/scored"] == sum(r["samples/scored"] for r in train)
+    for r in train:
+        assert 0.0 < r["reward/judge"] < 1.0 and r["judge/unparsed"] == r["judge/timeout"] == 0
+        assert r["reward/mean"] == pytest.approx(r["reward/judge"], abs=1e-6)
     for r in evals:
         assert r["eval/policy_version"] == r["step"] and r["eval/other_version_samples"] == 0
         assert r["eval/questions"] == 6 and r["eval/samples"] == 12
         assert r["eval/missing_questions"] == 0
         assert 0 <= r["eval/pass_at_1"] <= r["eval/pass_at_2"] <= 1
         assert r["eval/reward/rewards_for_tests:vowel_share/vowels"] >= 0
+        assert 0.0 < r["eval/reward/judge"] < 1.0  # the evaluation asks the judge too
         assert r["eval/trainer_wait_s"] >= 0 and not any(k in r for k in ("loss", "reward/mean"))
     assert (out / "logs" / "evaluator.log").is_file()
     # the run's last line: its result, read back from these rows

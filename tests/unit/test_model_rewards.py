@@ -229,29 +229,6 @@ def test_model_folders_are_checked_before_ray(tmp_path, tiny_model_dir):
 # -- the reward-model worker, in process ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory, tokenizer):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config)
-    folder = tmp_path_factory.mktemp("rm") / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def _worker(folder, **cfg):
     from async_grpo.rewards.reward_model import RewardModelWorker
 
@@ -264,14 +241,14 @@ def _worker(folder, **cfg):
     return worker, started
 
 
-def test_the_reward_model_scores_as_transformers_does_in_any_batch(classifier_dir):
+def test_the_reward_model_scores_as_transformers_does_in_any_batch(tiny_classifier_dir):
     from transformers import AutoModelForSequenceClassification
 
     pairs = [("What is 2 + 3?", "5"), ("Name a colour.", "Blue, " * 20), ("Hi", "")]
     pairs += [([{"role": "user", "content": "2 + 2?"}], "It is 4.")]
 
     async def go(budget):
-        worker, started = _worker(classifier_dir, max_tokens_per_batch=budget)
+        worker, started = _worker(tiny_classifier_dir, max_tokens_per_batch=budget)
         await started()
         out = await worker.score(pairs)
         batches = worker.batches
@@ -281,7 +258,7 @@ def test_the_reward_model_scores_as_transformers_does_in_any_batch(classifier_di
     together, few, worker = asyncio.run(go(4096))
     alone, many, _ = asyncio.run(go(64))  # budget of one pair: one forward each
     assert few == 1 and many == len(pairs)
-    model = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir).eval()
     for (p, c), (a, why_a), (b, _) in zip(pairs, together, alone, strict=True):
         ids = torch.tensor([worker.pair_ids(p, c)])
         with torch.no_grad():
@@ -293,9 +270,9 @@ def test_the_reward_model_scores_as_transformers_does_in_any_batch(classifier_di
         )
 
 
-def test_a_reward_model_that_gives_nan_is_counted_not_raised(classifier_dir):
+def test_a_reward_model_that_gives_nan_is_counted_not_raised(tiny_classifier_dir):
     async def go():
-        worker, started = _worker(classifier_dir)
+        worker, started = _worker(tiny_classifier_dir)
         await started()
         with torch.no_grad():
             worker.model.score.weight.fill_(float("nan"))
