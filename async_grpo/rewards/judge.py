@@ -21,6 +21,7 @@ None into `verifier.judge.fallback` and counts it (batcher/model_scores.py).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import re
@@ -34,6 +35,7 @@ from async_grpo.inference.generation import GenerationWorker
 
 FIELDS = ("question", "answer", "completion")
 TOP_LOGPROBS = 20  # vLLM's default cap on returned log-probs per token
+UNPARSED_LOGGED = 5  # unparsed verdicts a worker writes to its log
 
 YES_NO_TEMPLATE = """You check answers to questions.
 
@@ -141,6 +143,38 @@ def pattern_score(reply: str, pattern: str, score_range: list[float]) -> float |
     return (value - lo) / (hi - lo)
 
 
+def judge_spec(cfg: JudgeConfig) -> str:
+    """How a judge reads its verdicts, as one comparable line (the template by its hash)."""
+    template = hashlib.sha256(judge_template(cfg).encode()).hexdigest()[:12]
+    if cfg.verdict == "yes_prob":
+        how = f"yes_prob (yes {cfg.yes}, no {cfg.no})"
+    else:
+        how = f"pattern {cfg.pattern!r} over {cfg.score_range}"
+    return f"{how}, template {template}"
+
+
+def check_judges(cfg: JudgeConfig, timeout_s: float = 60.0) -> int:
+    """The registered judge workers read verdicts as `cfg` says, else a `ConfigError`
+    naming both (a judge started with another config scores every sample otherwise,
+    silently). Returns the workers checked."""
+    import ray
+
+    from async_grpo.config import ConfigError
+    from async_grpo.inference.client import get_registry
+
+    handles = ray.get(get_registry("judge").handles.remote(), timeout=timeout_s)
+    pings = ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
+    want = judge_spec(cfg)
+    for wid, ping in zip(handles, pings, strict=True):
+        if ping.get("judge_spec") != want:
+            raise ConfigError(
+                f"verifier.judge: worker {wid} judges by {ping.get('judge_spec')!r}, this run"
+                f" by {want!r}; start the judge workers with this run's config"
+                " (async-grpo worker --mode judge --config FILE)"
+            )
+    return len(pings)
+
+
 def engine_config(cfg: JudgeConfig) -> GenerationConfig:
     """The judge's engine settings, as a generation worker takes them."""
     return GenerationConfig(
@@ -172,8 +206,10 @@ class JudgeWorker(GenerationWorker):
         super().__init__(model_dir, engine_config(cfg), worker_id, device)
         self.judge_cfg = cfg
         self.template = judge_template(cfg)
+        self.spec = judge_spec(cfg)
         self.tokenizer: Any = None
         self.judged = 0
+        self.unparsed = 0
 
     async def start(self, register: bool = True) -> str:
         from transformers import AutoTokenizer
@@ -243,12 +279,19 @@ class JudgeWorker(GenerationWorker):
             score = yes_probability(top, c.yes, c.no)
             if score is None:
                 shown = ", ".join(repr(t) for t in list(top)[:5])
-                return None, f"unparsed: no yes or no word among the first token's top ({shown})"
+                return self._unparsed(f"no yes or no word among the first token's top ({shown})")
             return score, ""
         score = pattern_score(reply.text, c.pattern, c.score_range)
         if score is None:
-            return None, f"unparsed: {reply.text[:80]!r}"
+            return self._unparsed(repr(reply.text[:80]))
         return score, ""
 
+    def _unparsed(self, what: str) -> tuple[None, str]:
+        """An unparsed verdict; the first few are written to this worker's log."""
+        self.unparsed += 1
+        if self.unparsed <= UNPARSED_LOGGED:
+            print(f"{self.worker_id}: verdict unparsed: {what}", flush=True)
+        return None, f"unparsed: {what}"
+
     async def ping(self) -> dict[str, Any]:
-        return await super().ping() | {"judged": self.judged}
+        return await super().ping() | {"judged": self.judged, "judge_spec": self.spec}

@@ -74,6 +74,10 @@ def build_trainer(
         from async_grpo.rewards.pool import check_verifiers
 
         check_verifiers(cfg.verifier)
+    if rank == 0 and cfg.verifier.judge.model and not cfg.environment.multi_turn:
+        from async_grpo.rewards.judge import check_judges
+
+        check_judges(cfg.verifier.judge)
     model_dir = str(resolve_model(cfg.model))
     resume_from = checkpoint.find_resume(cfg.output_dir, resume) if resume else None
     attention, reason = select_trainer_attention(cfg)

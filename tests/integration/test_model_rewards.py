@@ -12,6 +12,7 @@ import torch
 
 from async_grpo.config import JudgeConfig, RewardModelConfig, VerifierConfig
 from async_grpo.data import Prompt
+from async_grpo.errors import UserError
 
 pytestmark = pytest.mark.integration
 
@@ -82,3 +83,16 @@ def test_a_judge_past_its_timeout_gives_the_fallback_and_keeps_serving(verifier)
     assert out["judge"] == [0.5] * 4 and counts["judge/timeout"] == 4, counts
     out, counts = _ask(verifier)  # the cancelled calls left the worker serving
     assert counts["judge/unparsed"] == 4 and "judge/timeout" not in counts, counts
+
+
+def test_judges_started_with_another_config_are_refused(verifier):
+    """On a cluster the judge workers come from their own `worker` command: rank 0 checks
+    they read verdicts as this run says before it trains on them."""
+    import dataclasses
+
+    from async_grpo.rewards.judge import check_judges
+
+    assert check_judges(verifier.judge) == 1
+    other = dataclasses.replace(verifier.judge, verdict="yes_prob")
+    with pytest.raises(UserError, match=r"verifier.judge: worker judge-.* judges by 'pattern"):
+        check_judges(other)
