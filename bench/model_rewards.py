@@ -207,7 +207,7 @@ def agreement(args) -> dict:
     exact, verdicts, seconds = asyncio.run(go())
     p_yes = [v if v is not None else 0.0 for v, _ in verdicts]
     agree = lambda t: sum((p >= t) == e for p, e in zip(p_yes, exact, strict=True)) / len(exact)  # noqa: E731
-    best = max(sorted(set(p_yes)), key=agree)
+    best = max([*sorted(set(p_yes)), 1.01], key=agree)  # 1.01: every answer judged wrong
     pos = [p for p, e in zip(p_yes, exact, strict=True) if e]
     neg = [p for p, e in zip(p_yes, exact, strict=True) if not e]
     pairs = [(a > b) + 0.5 * (a == b) for a in pos for b in neg]

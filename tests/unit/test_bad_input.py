@@ -73,6 +73,17 @@ def test_a_verifiers_environment_that_does_not_load_is_refused(tmp_path):
     _refused(_run(tmp_path, *env), "environment.name=no_such_env", "cannot import")
 
 
+def test_a_reward_model_that_is_not_a_classifier_is_refused(tmp_path, tiny_model_dir):
+    """Through the real command (the folder is read before Ray); the rest of the class in
+    test_model_rewards.py, in process."""
+    _refused(
+        _run(tmp_path, f"verifier.reward_model.model={tiny_model_dir}"),
+        "verifier.reward_model.model",
+        "not a reward model",
+        "ForSequenceClassification",
+    )
+
+
 def test_resume_without_a_checkpoint(tmp_path):
     cmd = [*run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}"), "--resume"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
