@@ -157,22 +157,9 @@ def check_judges(cfg: JudgeConfig, timeout_s: float = 60.0) -> int:
     """The registered judge workers read verdicts as `cfg` says, else a `ConfigError`
     naming both (a judge started with another config scores every sample otherwise,
     silently). Returns the workers checked."""
-    import ray
+    from async_grpo.rewards.pool import check_specs
 
-    from async_grpo.config import ConfigError
-    from async_grpo.inference.client import get_registry
-
-    handles = ray.get(get_registry("judge").handles.remote(), timeout=timeout_s)
-    pings = ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
-    want = judge_spec(cfg)
-    for wid, ping in zip(handles, pings, strict=True):
-        if ping.get("judge_spec") != want:
-            raise ConfigError(
-                f"verifier.judge: worker {wid} judges by {ping.get('judge_spec')!r}, this run"
-                f" by {want!r}; start the judge workers with this run's config"
-                " (async-grpo worker --mode judge --config FILE)"
-            )
-    return len(pings)
+    return check_specs("judge", "judge_spec", judge_spec(cfg), "verifier.judge", timeout_s)
 
 
 def engine_config(cfg: JudgeConfig) -> GenerationConfig:

@@ -98,20 +98,26 @@ def check_verifiers(cfg: VerifierConfig, timeout_s: float = 60.0) -> int:
     """The registered verifier workers score with `cfg`'s rewards, else a `ConfigError`
     naming both (a worker started without the run's config scores with its defaults:
     every sample an error or a wrong reward, silently). Returns the workers checked."""
+    return check_specs("verifier", "reward_spec", reward_spec(cfg), "verifier.rewards", timeout_s)
+
+
+def check_specs(pool: str, key: str, want: str, setting: str, timeout_s: float = 60.0) -> int:
+    """Every registered worker of `pool` answers `want` under `key` of its ping, else a
+    `ConfigError` on `setting` naming the worker, both specs and the command that fixes
+    it. Returns the workers checked."""
     import ray
 
     from async_grpo.config import ConfigError
     from async_grpo.inference.client import get_registry
 
-    handles = ray.get(get_registry("verifier").handles.remote(), timeout=timeout_s)
+    handles = ray.get(get_registry(pool).handles.remote(), timeout=timeout_s)
     pings = ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s)
-    want = reward_spec(cfg)
     for wid, ping in zip(handles, pings, strict=True):
-        if ping.get("reward_spec") != want:
+        if ping.get(key) != want:
             raise ConfigError(
-                f"verifier.rewards: worker {wid} scores with {ping.get('reward_spec')!r}, this"
-                f" run with {want!r}; start the verifier workers with this run's config"
-                " (async-grpo worker --mode verifier --config FILE)"
+                f"{setting}: worker {wid} works by {ping.get(key)!r}, this run by {want!r};"
+                f" start the {pool} workers with this run's config"
+                f" (async-grpo worker --mode {pool} --config FILE)"
             )
     return len(pings)
 

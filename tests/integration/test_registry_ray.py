@@ -183,7 +183,7 @@ def test_a_verifier_with_other_rewards_stops_the_start(cluster):
     try:
         with pytest.raises(ConfigError) as e:
             check_verifiers(VerifierConfig(rewards=["last_number"]))
-        assert "scores with 'countdown combined by sum', this run with 'last_number" in str(e.value)
+        assert "works by 'countdown combined by sum', this run by 'last_number" in str(e.value)
         assert check_verifiers(VerifierConfig()) == 1
     finally:
         stop_workers(workers, drain_timeout_s=5)
