@@ -67,6 +67,7 @@ class RewardModelWorker(RegisteredWorker):
         self.tokenizer: Any = None
         self._queue: asyncio.Queue[_Pending] | None = None
         self._loop_task: asyncio.Task | None = None
+        self.max_length = cfg.max_length  # and no more than the model's positions, once started
         self.scored = 0
         self.batches = 0
 
@@ -90,6 +91,8 @@ class RewardModelWorker(RegisteredWorker):
             pad = self.tokenizer.pad_token_id
             self.model.config.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
         self.model.to(self.device).eval().requires_grad_(False)
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_length = min(self.cfg.max_length, positions or self.cfg.max_length)
         self._queue = asyncio.Queue()
         self._loop_task = asyncio.get_running_loop().create_task(self._serve())
         if register:
@@ -97,7 +100,8 @@ class RewardModelWorker(RegisteredWorker):
         return self.worker_id
 
     def pair_ids(self, prompt: Any, completion: str) -> list[int]:
-        """The pair's token ids (its last `max_length` when longer)."""
+        """The pair's token ids (its last `max_length` when longer: the completion's end
+        matters most)."""
         if isinstance(prompt, list):
             messages = [dict(m) for m in prompt]
         else:
@@ -111,7 +115,7 @@ class RewardModelWorker(RegisteredWorker):
         else:
             text = "\n".join(str(m.get("content", "")) for m in messages) + completion
             ids = self.tokenizer(text)["input_ids"]
-        return ids[-self.cfg.max_length :]
+        return ids[-self.max_length :]
 
     async def score(self, pairs: list[tuple[Any, str]]) -> list[tuple[float | None, str]]:
         """One (score or None, reason) per (prompt, completion), in order."""

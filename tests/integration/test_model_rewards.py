@@ -85,6 +85,13 @@ def test_a_judge_past_its_timeout_gives_the_fallback_and_keeps_serving(verifier)
     assert counts["judge/unparsed"] == 4 and "judge/timeout" not in counts, counts
 
 
+def test_a_completion_too_long_for_the_judge_is_an_error_alone(verifier):
+    out, counts = _ask(verifier, ["word " * 2000, "short"])
+    assert out["judge"] == [0.25, 0.25], out
+    assert counts["judge/error"] == 1 and counts["judge/unparsed"] == 1, counts
+    assert counts["reward_model/scored"] == 2 and "reward_model/error" not in counts, counts
+
+
 def test_judges_started_with_another_config_are_refused(verifier):
     """On a cluster the judge workers come from their own `worker` command: rank 0 checks
     they read verdicts as this run says before it trains on them."""

@@ -282,3 +282,42 @@ def test_a_reward_model_that_gives_nan_is_counted_not_raised(tiny_classifier_dir
 
     ((score, why),) = asyncio.run(go())
     assert score is None and why.startswith("not_finite")
+
+
+def test_models_without_a_chat_template_read_the_text_itself(tokenizer, tiny_classifier_dir):
+    """A base model as the judge or the reward model: the rendered prompt, or the prompt's
+    text then the completion, as plain text."""
+    import copy
+
+    from async_grpo.rewards.judge import JudgeWorker
+    from async_grpo.rewards.reward_model import RewardModelWorker
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    judge = JudgeWorker("m", JudgeConfig(model="m", template="Q {question} R {completion}"))
+    judge.tokenizer = plain
+    assert plain.decode(judge.prompt_ids("2+3?", "5", "five")) == "Q 2+3? R five"
+    judge.tokenizer = tokenizer  # with its template: one user turn, the reply opened
+    text = tokenizer.decode(judge.prompt_ids("2+3?", "5", "five"))
+    assert "user\nQ 2+3? R five" in text and text.endswith("assistant\n")
+    rm = RewardModelWorker("m", RewardModelConfig(model="m"))
+    rm.tokenizer = plain
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    assert plain.decode(rm.pair_ids("2+3?", " 5")) == "2+3? 5"
+    whole = rm.pair_ids(messages, " 5")
+    assert plain.decode(whole) == "Be brief.\n2+3? 5"
+    rm.max_length = 3  # a longer pair keeps its last tokens
+    assert rm.pair_ids(messages, " 5") == whole[-3:]
+
+
+def test_a_reward_model_never_reads_past_its_positions(tiny_classifier_dir):
+    async def go():
+        worker, started = _worker(tiny_classifier_dir, max_length=100_000)
+        await started()
+        ids = worker.pair_ids("q", "word " * 2000)
+        ((score, why),) = await worker.score([("q", "word " * 2000)])
+        await worker.stop(1)
+        return worker.max_length, ids, score
+
+    limit, ids, score = asyncio.run(go())
+    assert limit == 512 and len(ids) == 512 and math.isfinite(score)
