@@ -130,5 +130,6 @@ def pool_subject(cfg: Any, pool: str, model: str | None = None) -> str:
     if pool == "verifier":
         return subject("reward function", cfg.verifier.rewards)
     if pool in ("judge", "reward_model"):
-        return subject(f"{pool.replace('_', ' ')} model", [getattr(cfg.verifier, pool).model])
+        kind = "judge model" if pool == "judge" else "reward model"
+        return subject(kind, [getattr(cfg.verifier, pool).model])
     return subject("model", [model or cfg.model])

@@ -321,3 +321,13 @@ def test_a_reward_model_never_reads_past_its_positions(tiny_classifier_dir):
 
     limit, ids, score = asyncio.run(go())
     assert limit == 512 and len(ids) == 512 and math.isfinite(score)
+
+
+def test_a_model_reward_pools_cause_line_names_its_model():
+    """A judge or reward-model pool whose workers keep dying ends the run naming what it
+    serves (the supervisor restarts them like any pool's)."""
+    from async_grpo.inference.supervisor import pool_subject
+
+    cfg = _cfg(judge={"model": "smollm2-135m"}, reward_model={"model": "/m/rm"})
+    assert pool_subject(cfg, "judge") == "judge model 'smollm2-135m'"
+    assert pool_subject(cfg, "reward_model") == "reward model '/m/rm'"
