@@ -76,6 +76,7 @@ def eval_model_dir(name: str) -> Path:
 
 def eval_config(args: argparse.Namespace) -> Any:
     """The run config with the command's flags written into its `eval` section."""
+    from async_grpo.config import ConfigError
     from async_grpo.config_checks import load_config, validate
 
     cfg = load_config(args.config, args.overrides)
@@ -93,6 +94,14 @@ def eval_config(args: argparse.Namespace) -> Any:
         cfg.eval.pass_k = sorted({1, args.samples})
     cfg.environment.name, cfg.environment.kind = None, "steps"  # eval scores single turns
     validate(cfg)
+    v, e = cfg.verifier, cfg.eval
+    if (v.models if e.models is None else e.models) and v.models:
+        raise ConfigError(
+            f"verifier.{v.models[0]}: `async-grpo eval` scores with rule rewards alone; set"
+            " eval.models=[] (and --rewards), or evaluate inside a run (eval.data)"
+        )
+    if not e.rewards and not v.rewards:
+        raise ConfigError("verifier.rewards: `async-grpo eval` needs a rule reward (--rewards)")
     return cfg
 
 
@@ -121,9 +130,8 @@ def run_eval(args: argparse.Namespace) -> int:
         connect(args.address or head.address, log_to_driver=False)
         print(f"evaluating {model_dir} on {len(prompts)} prompts of {e.data}", flush=True)
         gen, ver = _start_workers(cfg, str(model_dir), actors, eval_adapter(args.model))
-        evaluator = Evaluator(
-            e, cfg.generation.max_new_tokens, prompts, {"generation": gen, "verifier": ver}
-        )
+        clients = {"generation": gen, "verifier": ver}
+        evaluator = Evaluator(e, cfg.generation.max_new_tokens, prompts, clients, cfg.verifier)
         result = asyncio.run(evaluator.evaluate(0))
     finally:
         for a in actors:

@@ -331,3 +331,17 @@ def test_a_model_reward_pools_cause_line_names_its_model():
     cfg = _cfg(judge={"model": "smollm2-135m"}, reward_model={"model": "/m/rm"})
     assert pool_subject(cfg, "judge") == "judge model 'smollm2-135m'"
     assert pool_subject(cfg, "reward_model") == "reward model '/m/rm'"
+
+
+def test_the_eval_command_refuses_model_rewards(tmp_path):
+    """`async-grpo eval` starts a generation and a verifier worker only: a config scored by
+    a judge is refused in one line, through the real command."""
+    import subprocess
+
+    from _cli import CLI, REPO
+
+    data = REPO / "sample-data" / "arithmetic-heldout.jsonl"
+    cmd = [*CLI, "eval", "smollm2-135m", "--data", str(data), "--set", "verifier.judge.model=m"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "verifier.judge: `async-grpo eval` scores with rule rewards alone" in r.stderr
