@@ -75,7 +75,7 @@ def test_a_verifiers_environment_that_does_not_load_is_refused(tmp_path):
 
 def test_a_reward_model_that_is_not_a_classifier_is_refused(tmp_path, tiny_model_dir):
     """Through the real command (the folder is read before Ray); the rest of the class in
-    test_model_rewards.py, in process."""
+    unit/test_model_rewards.py, in process."""
     _refused(
         _run(tmp_path, f"verifier.reward_model.model={tiny_model_dir}"),
         "verifier.reward_model.model",
