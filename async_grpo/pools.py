@@ -322,6 +322,25 @@ def begin_reward_model_workers(
     )
 
 
+def model_reward_starters(cfg: RunConfig, logs: Path | None) -> dict[str, Callable[[int], Any]]:
+    """What starts n workers of each model reward's pool (judge, reward model)."""
+    from async_grpo.models import resolve_model
+
+    v, device = cfg.verifier, cfg.trainer.device
+    starters: dict[str, Callable[[int], Any]] = {}
+    if v.judge.model:
+        judge_dir = str(resolve_model(v.judge.model))
+        starters["judge"] = lambda n: begin_judge_workers(
+            judge_dir, v.judge, n, device, log_dir=logs
+        )
+    if v.reward_model.model:
+        rm_dir = str(resolve_model(v.reward_model.model))
+        starters["reward_model"] = lambda n: begin_reward_model_workers(
+            rm_dir, v.reward_model, n, device, log_dir=logs
+        )
+    return starters
+
+
 def stop_workers(workers: list[Any], drain_timeout_s: float = 30.0) -> None:
     """Drain then kill: the two-phase stop (no orphan engines). Every registry forgets
     them, also the workers that do not deregister themselves (verifiers)."""

@@ -432,7 +432,7 @@ def pool_starters(
                 cfg.verifier, n, log_dir=logs
             )
             counts["verifier"] = cfg.verifier.num_workers
-        starters |= model_reward_starters(cfg, logs)
+        starters |= pools.model_reward_starters(cfg, logs)
         counts |= {name: getattr(cfg.verifier, name).num_workers for name in cfg.verifier.models}
     else:  # multi-turn: the environments score
         starters["environment"] = lambda n: pools.begin_environment_workers(
@@ -445,26 +445,6 @@ def pool_starters(
         )
         counts["logprob"] = cfg.logprob.num_workers
     return starters, counts
-
-
-def model_reward_starters(cfg: RunConfig, logs: Path | None) -> dict[str, Callable[[int], Any]]:
-    """What starts n workers of each model reward's pool (judge, reward model)."""
-    from async_grpo import pools
-    from async_grpo.models import resolve_model
-
-    v, device = cfg.verifier, cfg.trainer.device
-    starters: dict[str, Callable[[int], Any]] = {}
-    if v.judge.model:
-        judge_dir = str(resolve_model(v.judge.model))
-        starters["judge"] = lambda n: pools.begin_judge_workers(
-            judge_dir, v.judge, n, device, log_dir=logs
-        )
-    if v.reward_model.model:
-        rm_dir = str(resolve_model(v.reward_model.model))
-        starters["reward_model"] = lambda n: pools.begin_reward_model_workers(
-            rm_dir, v.reward_model, n, device, log_dir=logs
-        )
-    return starters
 
 
 def trainer_env(

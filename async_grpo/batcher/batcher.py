@@ -40,6 +40,7 @@ from async_grpo.batcher import stats as report
 from async_grpo.batcher.catch_up import watch_versions
 from async_grpo.batcher.channel import Channel, ChannelClosed
 from async_grpo.batcher.groups import GroupMaker
+from async_grpo.batcher.model_scores import scoring_pools
 from async_grpo.batcher.rounds import fill_round, flat_units, group_units, plan_parts
 from async_grpo.batcher.spares import Spares
 from async_grpo.batcher.types import EndOfBatch, Minibatch, PushNow, ScoredSample, rollouts
@@ -135,10 +136,7 @@ class ExperienceBatcher:
         e = self.cfg.environment
         harness, env_run = e.harness, e.multi_turn
         if self._clients is None:
-            pools = ["generation"] + ([] if harness else ["environment" if env_run else "verifier"])
-            if not (harness or env_run or self.cfg.verifier.rewards):  # model rewards alone
-                pools.remove("verifier")
-            pools += [] if env_run else self.cfg.verifier.models
+            pools = ["generation"] + scoring_pools(self.cfg)
             pools += ["logprob"] if self._kl else []
             self._clients = {p: PoolClient(p) for p in pools}
             # a pool with no registry fails the start, not each group as a counted drop

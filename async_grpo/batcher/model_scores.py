@@ -22,6 +22,16 @@ OUTCOMES = ("scored", "timeout", "error", "unparsed")
 CALLS = {"judge": "judge", "reward_model": "score"}  # pool -> the worker's method
 
 
+def scoring_pools(cfg: RunConfig) -> list[str]:
+    """The pools that score a run's samples: none for a harness (it scores its rollouts),
+    the environment pool for episodes, else the verifiers (with rule rewards) and the
+    model rewards' pools."""
+    e = cfg.environment
+    if e.multi_turn:
+        return [] if e.harness else ["environment"]
+    return (["verifier"] if cfg.verifier.rewards else []) + cfg.verifier.models
+
+
 def model_counter_keys(cfg: RunConfig) -> list[str]:
     """The counters a run with these model rewards reports (0 until something happens)."""
     return [f"{name}/{o}" for name in cfg.verifier.models for o in OUTCOMES]

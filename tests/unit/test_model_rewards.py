@@ -229,6 +229,15 @@ def test_model_folders_are_checked_before_ray(tmp_path, tiny_model_dir):
 # -- the reward-model worker, in process ---------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A reward-model worker sets this process's torch threads (its `threads`); the tests
+    after these get theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _worker(folder, **cfg):
     from async_grpo.rewards.reward_model import RewardModelWorker
 
