@@ -96,6 +96,24 @@ async def _scores(
     return scores
 
 
+async def with_model_rewards(
+    v: VerifierConfig,
+    names: list[str],
+    clients: dict[str, Any],
+    counters: dict[str, float],
+    prompt: Prompt,
+    texts: list[str],
+    by_rules: Any,
+    on_retry: Any = None,
+) -> list[Any]:
+    """The rule rewards' outputs (`by_rules`, awaitable: one output or None per text) and
+    the model rewards of `names` asked for at once, then added (`add_model_rewards`)."""
+    rules, by_model = await asyncio.gather(
+        by_rules, model_scores(v, names, clients, counters, prompt, texts, on_retry)
+    )
+    return add_model_rewards(v, rules, by_model) if by_model else rules
+
+
 def add_model_rewards(
     v: VerifierConfig, outputs: list[Any], scores: dict[str, list[float]]
 ) -> list[Any]:

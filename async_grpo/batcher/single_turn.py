@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import defaultdict
 from typing import Any
@@ -31,7 +30,7 @@ async def single_turn_group(
     span; `counters` the model rewards' outcomes over the run (batcher/model_scores.py).
     Rule rewards (the verifier pool) and model rewards (the judge and reward-model pools)
     are asked for at once."""
-    from async_grpo.batcher.model_scores import add_model_rewards, model_scores
+    from async_grpo.batcher.model_scores import with_model_rewards
     from async_grpo.rewards import RewardInput
 
     n, ids = cfg.batcher.samples_per_question, prompt.input_token_ids
@@ -57,11 +56,10 @@ async def single_turn_group(
         )
 
     counters = counters if counters is not None else defaultdict(float)
-    rules, by_model = await asyncio.gather(
-        by_rules(),
-        model_scores(cfg.verifier, cfg.verifier.models, clients, counters, prompt, texts, reissued),
+    v = cfg.verifier
+    scored = await with_model_rewards(
+        v, v.models, clients, counters, prompt, texts, by_rules(), reissued
     )
-    scored = add_model_rewards(cfg.verifier, rules, by_model) if by_model else rules
     if spans is not None:
         spans.append({"lane": "verifier", "what": "score", "start": t0, "end": time.time()})
     books["samples/scored"] += len(scored)

@@ -122,7 +122,7 @@ class Evaluator:
                 return
 
     async def _question(self, q: int, prompt: Prompt, version: int) -> list[EvalSample]:
-        from async_grpo.batcher.model_scores import add_model_rewards, model_scores
+        from async_grpo.batcher.model_scores import with_model_rewards
         from async_grpo.rewards import RewardInput
 
         c, pools = self.cfg, self._pools()
@@ -144,11 +144,9 @@ class Evaluator:
             )
 
         texts = [x.text for x in completions]
-        rules, by_model = await asyncio.gather(
-            by_rules(),
-            model_scores(self.verifier, self.models, pools, self.counters, prompt, texts),
+        scored = await with_model_rewards(
+            self.verifier, self.models, pools, self.counters, prompt, texts, by_rules()
         )
-        scored = add_model_rewards(self.verifier, rules, by_model) if by_model else rules
         return [
             EvalSample(
                 q,
