@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_parsers(sub)
     add_plot_parser(sub)
     add_timeline_parser(sub)
-    from async_grpo.evaluation.cli import add_eval_parser
+    from async_grpo.eval_cli import add_eval_parser
 
     add_eval_parser(sub)
     from async_grpo.export import add_export_parser

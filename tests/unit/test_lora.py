@@ -385,7 +385,7 @@ def test_an_adapter_names_its_base_so_a_copied_checkpoint_evaluates_from_any_fol
     a checkpoint copied elsewhere, from another working directory."""
     import shutil
 
-    from async_grpo.evaluation.cli import eval_model_dir
+    from async_grpo.evaluation.target import eval_model_dir
     from async_grpo.export import export_merged
 
     monkeypatch.chdir(Path(model_dir).parent)
