@@ -82,7 +82,7 @@ ENGINE_REFUSED = {
     " the trainer's",
 }
 # families whose attention the flex path cannot compute: refused before Ray for it
-# (family_check), tested as refused
+# (preflight.family), tested as refused
 FLEX_REFUSED = {
     "gpt_oss": "attention sinks",
     "gpt2": "its attention takes no BlockMask",

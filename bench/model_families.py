@@ -1,6 +1,6 @@
 """Per model family, a whole `async-grpo run` of a tiny random model: exit code, the
 sampler-vs-trainer mismatch at steps 1-3 and the push time. With `--check`, instead, the
-start-up check (async_grpo/family_check.py) on every model type that both transformers and
+start-up check (async_grpo/preflight/family.py) on every model type that both transformers and
 vLLM serve, from the type's default config: what a run of that family is told before Ray.
 
     python bench/model_families.py [--families gemma2,qwen3_moe] [--out outputs/families]
@@ -81,7 +81,7 @@ def check_all() -> None:
     from async_grpo.core.attention import DenseAttention
     from async_grpo.core.attention.base import layer_windows
     from async_grpo.core.attention.flex import FlexAttention
-    from async_grpo.family_check import family_problem
+    from async_grpo.preflight.family import family_problem
     from async_grpo.preflight import vllm_architectures
 
     warnings.filterwarnings("ignore")

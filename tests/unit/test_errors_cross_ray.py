@@ -23,7 +23,7 @@ EXAMPLES: dict[str, tuple[tuple, dict]] = {
     "async_grpo.trainer.push.GroupBroken": (("member gen-1 died",), {}),
     "async_grpo.pools.NodeLost": (("node 10.0.0.7 (3f2a9b1c) is gone",), {}),
     "async_grpo.placement.PlacementError": (("generation.cpus: cannot bind to cores 7",), {}),
-    "async_grpo.family_check.TwinError": ((ValueError("head_dim is per layer"),), {}),
+    "async_grpo.preflight.family.TwinError": ((ValueError("head_dim is per layer"),), {}),
     "async_grpo.rewards.countdown.EquationError": (("uses 7 twice",), {}),
     "async_grpo.rewards.sandbox.SandboxError": (("could not import reward",), {}),
     "async_grpo.inference.supervisor.RestartLimit": (("pool 'verifier': too many",), {}),

@@ -14,7 +14,7 @@ from _dist import one_rank_group
 from async_grpo.config import LossConfig, TrainerConfig
 from async_grpo.core.attention.flex import FlexAttention
 from async_grpo.core.packing import PackInput, pack
-from async_grpo.family_check import check_samples
+from async_grpo.preflight.family import check_samples
 from async_grpo.model_families import FAMILIES, FLEX_REFUSED, WINDOW, make_family_model
 from async_grpo.trainer.model import build_policy
 
@@ -173,7 +173,7 @@ def test_what_the_flex_path_cannot_compute_is_found_before_ray(family_dirs, fami
     from transformers import AutoConfig
 
     from async_grpo.core.attention import DenseAttention
-    from async_grpo.family_check import family_problem
+    from async_grpo.preflight.family import family_problem
 
     config = AutoConfig.from_pretrained(family_dirs[family])
     assert family_problem(config, [DenseAttention()]) is None
@@ -190,7 +190,7 @@ def test_the_start_up_check_passes_the_matrix_and_finds_dropout(family_dirs, fam
     from transformers import AutoConfig
 
     from async_grpo.core.attention import DenseAttention
-    from async_grpo.family_check import family_problem
+    from async_grpo.preflight.family import family_problem
 
     config = AutoConfig.from_pretrained(family_dirs[family])
     assert family_problem(config, [DenseAttention()]) is None

@@ -135,7 +135,7 @@ def run_attentions(cfg: RunConfig) -> list[Any]:
 def check_model(model_dir: Path, attentions: list[Any] | None = None) -> None:
     """transformers has a causal LM for the folder's model type, vLLM serves its
     architecture, and the trainer computes what transformers computes for its family with
-    each of `attentions` (family_check: a small random twin, about a second)."""
+    each of `attentions` (preflight.family: a small random twin, about a second)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -167,7 +167,7 @@ def check_model(model_dir: Path, attentions: list[Any] | None = None) -> None:
         if arch in ENGINE_REFUSED:
             raise UserError(f"model {model_dir}: {arch}: {ENGINE_REFUSED[arch]}; not supported")
     if attentions:
-        from async_grpo.family_check import family_problem
+        from async_grpo.preflight.family import family_problem
 
         problem = family_problem(config, attentions)
         if problem:
