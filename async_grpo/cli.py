@@ -107,9 +107,9 @@ def _check_data(args: argparse.Namespace) -> int:
         return 0
     if args.input is None and args.config is None:
         raise UserError("data check: give a FILE (or folder) to check, or --config CONFIG")
-    from async_grpo.config_checks import load_config
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.models import resolve_model
+    from async_grpo.preflight.settings import load_config
 
     cfg = load_config(args.config, [*args.set, *([f"data={args.input}"] if args.input else [])])
     model_dir = resolve_model(cfg.model)
@@ -129,7 +129,7 @@ def _check_data(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from async_grpo.config_checks import load_config
+    from async_grpo.preflight.settings import load_config
     from async_grpo.trainer.setup import train
 
     cfg = load_config(args.config, args.overrides)
@@ -200,8 +200,8 @@ def _cause(e: BaseException) -> str:
 def _run(args: argparse.Namespace) -> int:
     import signal
 
-    from async_grpo.config_checks import load_config
     from async_grpo.preflight import checked_before_ray
+    from async_grpo.preflight.settings import load_config
     from async_grpo.run import run_local, stop_on_signal
 
     cfg = load_config(args.config, args.overrides)

@@ -80,7 +80,7 @@ def _connect(address: str) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from async_grpo.config_checks import load_config
+    from async_grpo.preflight.settings import load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.mode in ("judge", "reward_model") and args.model is None:

@@ -3,7 +3,7 @@
 In: a YAML file (configs/*.yaml) and overrides such as `trainer.lr=1e-6`.
 Out: a `RunConfig` (`from_dict`); each part receives only its own sub-config. Unknown
 keys and wrong types raise `ConfigError` naming the key's path; contradictions between
-settings are refused by `config_checks.validate`, and `config_checks.load_config` does
+settings are refused by `preflight.settings.validate`, and `preflight.settings.load_config` does
 both from a file.
 """
 

@@ -43,7 +43,7 @@ def add_eval_parser(sub: Any) -> None:
 def eval_config(args: argparse.Namespace) -> Any:
     """The run config with the command's flags written into its `eval` section."""
     from async_grpo.config import ConfigError
-    from async_grpo.config_checks import load_config, validate
+    from async_grpo.preflight.settings import load_config, validate
 
     cfg = load_config(args.config, args.overrides)
     flags = {

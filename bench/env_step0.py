@@ -35,7 +35,6 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from async_grpo.batcher.episodes import EpisodeRunner
-    from async_grpo.config_checks import load_config
     from async_grpo.data import PromptSampler
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.environments.turns import TurnFormat
@@ -48,6 +47,7 @@ def main() -> None:
         stop_workers,
     )
     from async_grpo.precision import resolve_dtype
+    from async_grpo.preflight.settings import load_config
     from async_grpo.ray_utils import connect
 
     cfg = load_config(args.config, args.overrides)

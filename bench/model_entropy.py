@@ -19,11 +19,11 @@ import torch
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from async_grpo.config_checks import load_config
     from async_grpo.data import load_prompts
     from async_grpo.data.tokenize import tokenize_prompts
     from async_grpo.models import resolve_model
     from async_grpo.precision import cpu_kind
+    from async_grpo.preflight.settings import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from async_grpo import config as config_module  # noqa: E402
 from async_grpo.config import ConfigError, RunConfig  # noqa: E402
-from async_grpo.config_checks import load_config  # noqa: E402
+from async_grpo.preflight.settings import load_config  # noqa: E402
 
 OUT = REPO / "docs" / "configuration.md"
 

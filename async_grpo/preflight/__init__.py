@@ -1,4 +1,4 @@
-"""What a run checks before Ray starts, beyond the config's own settings (config_checks):
+"""What a run checks before Ray starts, beyond the config's own settings (preflight.settings):
 the output folder and the checkpoint to resume, the reward functions, the model folder,
 the LoRA targets and a resumed checkpoint's LoRA settings.
 
@@ -244,8 +244,8 @@ def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None =
     from async_grpo.preflight import preflight
 
     if address is None and cfg.ray_address is None:  # all on this node: pools share no core
-        from async_grpo.config_checks import validate_placement
         from async_grpo.placement import check_disjoint
+        from async_grpo.preflight.settings import validate_placement
 
         check_disjoint(validate_placement(cfg))
     model_dir = str(resolve_model(cfg.model))

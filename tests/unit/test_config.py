@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.config import ConfigError, RunConfig
-from async_grpo.config_checks import load_config
+from async_grpo.preflight.settings import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -11,8 +11,8 @@ import pytest
 
 from async_grpo.batcher.types import EndOfBatch
 from async_grpo.config import BatcherConfig, ConfigError
-from async_grpo.config_checks import load_config
 from async_grpo.data.curriculum import Curriculum
+from async_grpo.preflight.settings import load_config
 
 
 def _solve(index: int, step: int) -> int:

@@ -11,13 +11,13 @@ import time
 import pytest
 
 from async_grpo.config import ConfigError, EnvironmentConfig
-from async_grpo.config_checks import load_config
 from async_grpo.environments import Environment, StepResult, Task, environment, get_environment
 from async_grpo.environments.calculator import Calculator
 from async_grpo.environments.guess import GuessNumber
 from async_grpo.environments.http import make_server
 from async_grpo.environments.pool import EnvironmentFailed, EnvironmentWorker
 from async_grpo.errors import UserError
+from async_grpo.preflight.settings import load_config
 
 
 def _run(coro):

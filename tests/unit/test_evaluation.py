@@ -8,11 +8,11 @@ import time
 import pytest
 
 from async_grpo.config import ConfigError, EvalConfig
-from async_grpo.config_checks import load_config
 from async_grpo.data import Prompt
 from async_grpo.evaluation import EvalSample, pass_at_k, summarize
 from async_grpo.evaluation.runner import Evaluator
 from async_grpo.inference.types import Completion
+from async_grpo.preflight.settings import load_config
 from async_grpo.rewards import RewardOutput
 
 

@@ -194,7 +194,7 @@ def test_harnesses_that_block_their_threads_stop_the_run(tokenizer, smollm2_dir,
 )
 def test_harness_settings_are_refused_in_one_line(env, line):
     from async_grpo.config import ConfigError
-    from async_grpo.config_checks import validate
+    from async_grpo.preflight.settings import validate
 
     e = {"kind": "openai", "rollout": "harnesses_for_tests:two_turns"} | env
     cfg = replace(RunConfig(), environment=EnvironmentConfig(**e))
@@ -204,7 +204,7 @@ def test_harness_settings_are_refused_in_one_line(env, line):
 
 def test_share_prompts_is_refused_with_a_harness():
     from async_grpo.config import ConfigError
-    from async_grpo.config_checks import validate
+    from async_grpo.preflight.settings import validate
 
     cfg = replace(_cfg("two_turns"), batcher=BatcherConfig(share_prompts=True))
     with pytest.raises(ConfigError, match="batcher.share_prompts"):

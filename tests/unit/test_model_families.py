@@ -14,8 +14,8 @@ from _dist import one_rank_group
 from async_grpo.config import LossConfig, TrainerConfig
 from async_grpo.core.attention.flex import FlexAttention
 from async_grpo.core.packing import PackInput, pack
-from async_grpo.preflight.family import check_samples
 from async_grpo.model_families import FAMILIES, FLEX_REFUSED, WINDOW, make_family_model
+from async_grpo.preflight.family import check_samples
 from async_grpo.trainer.model import build_policy
 
 TEMPERATURE = 0.9

@@ -18,10 +18,10 @@ from async_grpo.config import (
     VerifierConfig,
     from_dict,
 )
-from async_grpo.config_checks import validate
 from async_grpo.data import Prompt
 from async_grpo.errors import UserError
 from async_grpo.inference.types import PoolUnavailable
+from async_grpo.preflight.settings import validate
 from async_grpo.rewards import RewardOutput
 from async_grpo.rewards.judge import (
     YES_NO_TEMPLATE,

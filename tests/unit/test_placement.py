@@ -62,7 +62,7 @@ def test_placements_refused_before_ray(tmp_path, overrides, words):
 
 
 def test_a_core_number_from_yaml_is_a_core_list():
-    from async_grpo.config_checks import load_config
+    from async_grpo.preflight.settings import load_config
 
     cfg = load_config("configs/arithmetic.yaml", [f"generation.cpus={CORES[0]}"])
     assert cfg.generation.cpus == str(CORES[0])
@@ -117,7 +117,7 @@ def test_a_run_joining_a_cluster_leaves_core_existence_to_each_node():
     """With `ray_address` the workers run on other nodes: cores this machine lacks are
     accepted here (each process refuses them as it binds, naming its node); the parse and
     the thread count are still checked here."""
-    from async_grpo.config_checks import load_config
+    from async_grpo.preflight.settings import load_config
 
     cluster = ["ray_address=127.0.0.1:6379", "generation.cpus=9990-9997"]
     assert load_config("configs/arithmetic.yaml", cluster).generation.cpus == "9990-9997"

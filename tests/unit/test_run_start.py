@@ -138,8 +138,8 @@ def test_the_trainer_failure_line_names_the_cause_not_its_consequences(tmp_path)
 def test_the_process_group_outlasts_rank_0s_longest_named_wait(eval_timeout_s):
     """Other ranks wait in a collective while rank 0 waits for the batcher, then for an
     evaluation: their group timeout must come after both of rank 0's own (named) limits."""
-    from async_grpo.config_checks import load_config
     from async_grpo.evaluation.hook import COLLECT_SLACK_S
+    from async_grpo.preflight.settings import load_config
     from async_grpo.trainer.batcher_link import GET_TIMEOUT_S, group_timeout
 
     cfg = load_config(None, [f"eval.timeout_s={eval_timeout_s}"])

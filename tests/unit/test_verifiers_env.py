@@ -175,8 +175,8 @@ def test_verifiers_settings_are_refused_in_one_line(env, line, tmp_path):
     """By the config's checks or, loading the environment, by the preflight (`run`
     calls both before Ray; the real command is in test_bad_input)."""
     from async_grpo.config import ConfigError
-    from async_grpo.config_checks import validate
     from async_grpo.preflight import preflight
+    from async_grpo.preflight.settings import validate
 
     e = {"kind": "verifiers", "name": "verifiers_envs_for_tests", "args": {}} | env
     cfg = replace(RunConfig(), environment=EnvironmentConfig(**e), output_dir=str(tmp_path))

@@ -1,5 +1,5 @@
 """The settings of the model rewards (`verifier.judge`, `verifier.reward_model`) a run
-refuses before it starts, one line each (`config_checks.validate` calls them)."""
+refuses before it starts, one line each (`preflight.settings.validate` calls them)."""
 
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def validate_verifier(cfg: RunConfig) -> None:
             f"verifier.weights: {unknown[0]!r} names no reward of this run"
             f" (rewards: {', '.join([*v.rewards, *v.models])})"
         )
-    from async_grpo.rewards.settings import validate_model_rewards
+    from async_grpo.preflight.rewards import validate_model_rewards
 
     validate_model_rewards(cfg)
     o, limit = v.overlong, cfg.generation.max_new_tokens
