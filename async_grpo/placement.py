@@ -46,35 +46,6 @@ def usable_cpus() -> set[int]:
     return set(os.sched_getaffinity(0))
 
 
-def check_cpus(text: str, where: str, threads: int, here: bool = True) -> tuple[int, ...]:
-    """`parse_cpus`, refusing fewer cores than the process's threads (they would take
-    turns on a core) and, with `here`, cores this machine does not give us."""
-    cores = parse_cpus(text, where)
-    missing = sorted(set(cores) - usable_cpus()) if here else []
-    if missing:
-        raise PlacementError(
-            f"{where}: cores {missing} do not exist here (usable: {compact(usable_cpus())})"
-        )
-    if threads > len(cores):
-        raise PlacementError(
-            f"{where}: {len(cores)} core(s) {compact(cores)} for {threads} threads; give at"
-            f" least as many cores as threads"
-        )
-    return cores
-
-
-def check_disjoint(named: dict[str, tuple[int, ...]]) -> None:
-    """Refuse two settings that share a core (processes on one node)."""
-    items = list(named.items())
-    for i, (a, ca) in enumerate(items):
-        for b, cb in items[i + 1 :]:
-            shared = sorted(set(ca) & set(cb))
-            if shared:
-                raise PlacementError(
-                    f"{b}: cores {shared} are also in {a}; the two must not share a core"
-                )
-
-
 def bind_process(cores: tuple[int, ...], where: str) -> None:
     """Bind every thread of this process to `cores` (threads started later inherit it)."""
     mask = set(cores)

@@ -1,11 +1,14 @@
-"""The settings of the model rewards (`verifier.judge`, `verifier.reward_model`) a run
-refuses before it starts, one line each (`preflight.settings.validate` calls them)."""
+"""What a run refuses in its rewards before it starts, one line each: a rule reward that does
+not import; model rewards' settings (`verifier.judge`, `verifier.reward_model`;
+`preflight.settings.validate` calls `validate_model_rewards`) and folders."""
 
 from __future__ import annotations
 
 import re
 
 from async_grpo.config import ConfigError, RunConfig
+from async_grpo.errors import UserError
+from async_grpo.preflight.model import vllm_architectures
 
 
 def validate_model_rewards(cfg: RunConfig) -> None:
@@ -57,3 +60,47 @@ def validate_model_rewards(cfg: RunConfig) -> None:
         r = j.score_range
         if len(r) != 2 or not r[0] < r[1]:
             raise ConfigError(f"verifier.judge.score_range: expected [low, high], got {r}")
+
+
+def check_rule_rewards(cfg: RunConfig) -> None:
+    """Every rule reward named is registered or imports (`module:function`), as the
+    verifier workers will import it."""
+    from async_grpo.rewards.registry import get_reward
+
+    for name in cfg.verifier.rewards:
+        get_reward(name)
+
+
+def check_model_rewards(cfg: RunConfig) -> None:
+    """The judge's model is one vLLM serves, with a tokenizer; the reward model's folder
+    holds a one-label sequence classifier (rewards/reward_model.py)."""
+    from transformers import AutoConfig
+
+    from async_grpo.models import resolve_model
+
+    v = cfg.verifier
+    for name in v.models:
+        key = f"verifier.{name}.model"
+        try:
+            folder = resolve_model(getattr(v, name).model)
+        except UserError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{key}: transformers cannot read {folder} ({first})") from None
+        archs = list(getattr(config, "architectures", None) or [])
+        if name == "judge" and not any(a in vllm_architectures() for a in archs):
+            raise ConfigError(
+                f"{key}: vLLM serves none of {folder}'s architectures {archs}; the judge"
+                " runs on vLLM"
+            )
+        if name == "reward_model":
+            from async_grpo.rewards.reward_model import is_classifier
+
+            why = is_classifier(config)
+            if why is not None:
+                raise ConfigError(f"{key}: {folder} is not a reward model: {why}")
+        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ConfigError(f"{key}: {folder} has no tokenizer (tokenizer.json)")

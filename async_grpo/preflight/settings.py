@@ -23,6 +23,7 @@ from async_grpo.config import (
     apply_override,
     from_dict,
 )
+from async_grpo.preflight.placement import validate_placement
 from async_grpo.text import NOT_UNICODE, not_unicode, read_text
 
 
@@ -445,28 +446,6 @@ def validate_lora(cfg: RunConfig) -> None:
 
 
 MAX_LORA_RANK = 512  # the largest rank vLLM serves (its max_lora_rank choices)
-
-
-def validate_placement(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
-    """Core lists that parse and hold each process's threads, and, for a run on this
-    machine alone (no `ray_address`), exist here; the ones set, by key. On a cluster the
-    cores are those of the node each process starts on: it checks them as it binds."""
-    from async_grpo.placement import check_cpus
-
-    named = {}
-    for key, section in (
-        ("generation", cfg.generation),
-        ("logprob", cfg.logprob),
-        ("trainer", cfg.trainer),
-        ("verifier.judge", cfg.verifier.judge),
-        ("verifier.reward_model", cfg.verifier.reward_model),
-    ):
-        if section.cpus is not None:
-            where = f"{key}.cpus"
-            named[where] = check_cpus(
-                section.cpus, where, section.threads, here=cfg.ray_address is None
-            )
-    return named
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:

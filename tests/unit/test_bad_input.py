@@ -168,7 +168,7 @@ def test_plain_prompts_are_the_text_as_it_is(tmp_path, tiny_model_dir):
 def test_the_registry_read_from_source_is_vllms_own():
     """preflight reads vLLM's architectures from the registry's source (an import costs
     about 4 s before every run); it must be exactly the set vLLM's registry reports."""
-    from async_grpo.preflight import imported_vllm_architectures, vllm_architectures
+    from async_grpo.preflight.model import imported_vllm_architectures, vllm_architectures
 
     read = vllm_architectures()
     assert {"LlamaForCausalLM", "Gemma2ForCausalLM", "Qwen3MoeForCausalLM"} <= read

@@ -210,7 +210,7 @@ def test_model_rewards_with_an_environment_or_unknown_in_eval_are_refused():
 
 
 def test_model_folders_are_checked_before_ray(tmp_path, tiny_model_dir):
-    from async_grpo.preflight import check_model_rewards
+    from async_grpo.preflight.rewards import check_model_rewards
 
     cfg = _cfg(reward_model={"model": str(tiny_model_dir)})  # a causal LM, not a classifier
     with pytest.raises(UserError, match=r"verifier.reward_model.model: .* not a reward model"):
