@@ -139,7 +139,9 @@ def _train(args: argparse.Namespace) -> int:
     else:  # by hand under torchrun: every rank refuses what `run` would, before Ray
         from async_grpo.preflight import checked_before_ray
 
-        checked_before_ray(cfg, args.resume, args.address or cfg.ray_address)
+        checked_before_ray(
+            cfg, "train", resume=args.resume, address=args.address or cfg.ray_address
+        )
     try:
         train(cfg, args.address or cfg.ray_address, args.resume, args.verbose)
     except Exception as e:
@@ -208,7 +210,7 @@ def _run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # stop as on Ctrl-C (run.Stopped)
         signal.signal(sig, stop_on_signal)
     address = args.address or cfg.ray_address
-    model_dir = checked_before_ray(cfg, args.resume, address)
+    model_dir = checked_before_ray(cfg, "run", resume=args.resume, address=address)
     return run_local(
         cfg, model_dir, args.config, args.overrides, address, args.resume, args.verbose
     )

@@ -80,15 +80,15 @@ def _connect(address: str) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    from async_grpo.preflight import checked_before_ray
     from async_grpo.preflight.settings import load_config
 
     cfg = load_config(args.config, args.overrides)
-    if args.mode in ("judge", "reward_model") and args.model is None:
-        args.model = getattr(cfg.verifier, args.mode).model
-        if args.model is None:
-            raise UserError(f"verifier.{args.mode}.model: required for --mode {args.mode}")
-    if args.mode not in NO_MODEL and args.model is None:
-        args.model = cfg.model
+    checked_before_ray(cfg, "worker", mode=args.mode, model=args.model)
+    if args.mode in ("judge", "reward_model"):
+        args.model = args.model or getattr(cfg.verifier, args.mode).model
+    elif args.mode not in NO_MODEL:
+        args.model = args.model or cfg.model
     from async_grpo import pools
     from async_grpo.inference.supervisor import PoolSupervisor, RestartLimit, pool_subject
     from async_grpo.pools import NodeLost, stop_workers
@@ -154,8 +154,6 @@ def _start(args: argparse.Namespace, cfg: Any, n: int | None = None) -> list[Any
         n = n or args.num_workers or cfg.verifier.num_workers
         return pools.start_verifier_workers(cfg.verifier, n, detached=False)
     if args.mode == "environment":
-        if cfg.environment.name is None:
-            raise UserError("environment.name: required for --mode environment (e.g. calculator)")
         n = n or args.num_workers or cfg.environment.num_workers
         return pools.start_environment_workers(cfg.environment, n, detached=False)
     from async_grpo.models import resolve_model

@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from async_grpo.evaluation.target import eval_adapter, eval_model_dir
+from async_grpo.evaluation.target import eval_adapter
 
 
 def add_eval_parser(sub: Any) -> None:
@@ -42,7 +42,6 @@ def add_eval_parser(sub: Any) -> None:
 
 def eval_config(args: argparse.Namespace) -> Any:
     """The run config with the command's flags written into its `eval` section."""
-    from async_grpo.config import ConfigError
     from async_grpo.preflight.settings import load_config, validate
 
     cfg = load_config(args.config, args.overrides)
@@ -60,14 +59,6 @@ def eval_config(args: argparse.Namespace) -> Any:
         cfg.eval.pass_k = sorted({1, args.samples})
     cfg.environment.name, cfg.environment.kind = None, "steps"  # eval scores single turns
     validate(cfg)
-    v, e = cfg.verifier, cfg.eval
-    if (v.models if e.models is None else e.models) and v.models:
-        raise ConfigError(
-            f"verifier.{v.models[0]}: `async-grpo eval` scores with rule rewards alone; set"
-            " eval.models=[] (and --rewards), or evaluate inside a run (eval.data)"
-        )
-    if not e.rewards and not v.rewards:
-        raise ConfigError("verifier.rewards: `async-grpo eval` needs a rule reward (--rewards)")
     return cfg
 
 
@@ -77,11 +68,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.evaluation.runner import Evaluator
     from async_grpo.logs import quiet_libraries
+    from async_grpo.preflight import checked_before_ray
     from async_grpo.ray_utils import connect
     from async_grpo.run import LocalHead
 
     cfg = eval_config(args)
-    model_dir = eval_model_dir(args.model)
+    model_dir = Path(checked_before_ray(cfg, "eval", model=args.model))
     e = cfg.eval
     prompts = prepare_prompts(
         e.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, cfg.eval_dataset

@@ -81,8 +81,8 @@ def check_all() -> None:
     from async_grpo.core.attention import DenseAttention
     from async_grpo.core.attention.base import layer_windows
     from async_grpo.core.attention.flex import FlexAttention
-    from async_grpo.preflight.model import vllm_architectures
     from async_grpo.preflight.family import family_problem
+    from async_grpo.preflight.model import vllm_architectures
 
     warnings.filterwarnings("ignore")
     served = vllm_architectures()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from async_grpo.config import RunConfig
+from async_grpo.config import ConfigError, RunConfig
 from async_grpo.preflight.model import (
     check_lora_targets,
     check_model,
@@ -26,7 +26,12 @@ from async_grpo.preflight.model import (
     check_turn_template,
     run_attentions,
 )
-from async_grpo.preflight.rewards import check_model_rewards, check_rule_rewards
+from async_grpo.preflight.rewards import (
+    check_eval_rewards,
+    check_model_reward,
+    check_model_rewards,
+    check_rule_rewards,
+)
 
 
 def preflight(cfg: RunConfig, model_dir: str | Path, resume: str | None) -> None:
@@ -64,10 +69,30 @@ def environment_data(cfg: RunConfig, resumed: bool = False) -> None:
         cfg.data = kept if resumed and Path(kept).is_file() else write(cfg)
 
 
-def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None = None) -> str:
-    """Everything a run can refuse before Ray, the pools or torchrun start (preflight, the
-    prompts, a held-out set that overlaps training); the model's folder. `run` and `train`
-    call it alike; `address`: the cluster a run joins (its pools may be on other nodes)."""
+def checked_before_ray(
+    cfg: RunConfig,
+    command: str = "run",
+    *,
+    resume: str | None = None,
+    address: str | None = None,
+    model: str | None = None,
+    mode: str | None = None,
+) -> str | None:
+    """Everything `command` can refuse before Ray, the pools or torchrun start; the model
+    folder it runs (None for a worker pool without one). Every command calls it the same
+    way, after `load_config`: `run` and `train` (each rank, by hand; `resume`, and
+    `address`, the cluster a run joins: its pools may be on other nodes), `eval` (`model`:
+    what it evaluates) and `worker` (`mode`: its pool; `model`: the pool's model)."""
+    if command in ("run", "train"):
+        return _run(cfg, resume, address)
+    if command == "eval":
+        return _eval(cfg, model)
+    if command == "worker":
+        return _worker(cfg, mode, model)
+    raise ValueError(f"checked_before_ray: no command {command!r}")
+
+
+def _run(cfg: RunConfig, resume: str | None, address: str | None) -> str:
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.models import resolve_model
 
@@ -86,3 +111,48 @@ def checked_before_ray(cfg: RunConfig, resume: str | None, address: str | None =
 
         held_out_prompts(cfg, model_dir)
     return model_dir
+
+
+def _eval(cfg: RunConfig, model: str | None) -> str:
+    """`async-grpo eval`: rule rewards it can score with, the model (a folder, a checkpoint
+    or an adapter's base), and its prompts."""
+    from async_grpo.data.tokenize import prepare_prompts
+    from async_grpo.evaluation.target import eval_model_dir
+
+    check_eval_rewards(cfg)
+    check_rule_rewards(cfg, cfg.eval.rewards or cfg.verifier.rewards)
+    model_dir = eval_model_dir(model or cfg.model)
+    check_model(model_dir)
+    e = cfg.eval
+    prepare_prompts(
+        e.data, model_dir, cfg.generation.max_model_len, cfg.prompt_format, cfg.eval_dataset
+    )
+    return str(model_dir)
+
+
+def _worker(cfg: RunConfig, mode: str | None, model: str | None) -> str | None:
+    """`async-grpo worker --mode MODE`: what its pool needs, checked on this machine before
+    it joins the cluster (its cores were checked with the settings)."""
+    from async_grpo.models import resolve_model
+
+    if mode == "verifier":
+        check_rule_rewards(cfg)
+        return None
+    if mode == "environment":
+        if cfg.environment.name is None:
+            raise ConfigError("environment.name: required for --mode environment (e.g. calculator)")
+        if cfg.environment.kind == "verifiers":
+            from async_grpo.environments.verifiers_env import load_env
+
+            load_env(cfg.environment.name, cfg.environment.args)
+        return None
+    if mode in ("judge", "reward_model"):
+        section = getattr(cfg.verifier, mode)
+        section.model = model or section.model
+        if section.model is None:
+            raise ConfigError(f"verifier.{mode}.model: required for --mode {mode}")
+        check_model_reward(cfg, mode)
+        return str(resolve_model(section.model))
+    model_dir = resolve_model(model or cfg.model)
+    check_model(model_dir, run_attentions(cfg) if mode == "logprob" else None)
+    return str(model_dir)

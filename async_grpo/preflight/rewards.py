@@ -62,45 +62,61 @@ def validate_model_rewards(cfg: RunConfig) -> None:
             raise ConfigError(f"verifier.judge.score_range: expected [low, high], got {r}")
 
 
-def check_rule_rewards(cfg: RunConfig) -> None:
-    """Every rule reward named is registered or imports (`module:function`), as the
-    verifier workers will import it."""
+def check_rule_rewards(cfg: RunConfig, names: list[str] | None = None) -> None:
+    """Every rule reward named (default: `verifier.rewards`) is registered or imports
+    (`module:function`), as the verifier workers will import it."""
     from async_grpo.rewards.registry import get_reward
 
-    for name in cfg.verifier.rewards:
+    for name in cfg.verifier.rewards if names is None else names:
         get_reward(name)
 
 
+def check_eval_rewards(cfg: RunConfig) -> None:
+    """`async-grpo eval` starts no model pool: it scores with rule rewards alone, and needs
+    one."""
+    v, e = cfg.verifier, cfg.eval
+    if (v.models if e.models is None else e.models) and v.models:
+        raise ConfigError(
+            f"verifier.{v.models[0]}: `async-grpo eval` scores with rule rewards alone; set"
+            " eval.models=[] (and --rewards), or evaluate inside a run (eval.data)"
+        )
+    if not e.rewards and not v.rewards:
+        raise ConfigError("verifier.rewards: `async-grpo eval` needs a rule reward (--rewards)")
+
+
 def check_model_rewards(cfg: RunConfig) -> None:
+    """Each model reward's folder (`check_model_reward`)."""
+    for name in cfg.verifier.models:
+        check_model_reward(cfg, name)
+
+
+def check_model_reward(cfg: RunConfig, name: str) -> None:
     """The judge's model is one vLLM serves, with a tokenizer; the reward model's folder
     holds a one-label sequence classifier (rewards/reward_model.py)."""
     from transformers import AutoConfig
 
     from async_grpo.models import resolve_model
 
-    v = cfg.verifier
-    for name in v.models:
-        key = f"verifier.{name}.model"
-        try:
-            folder = resolve_model(getattr(v, name).model)
-        except UserError as e:
-            raise ConfigError(f"{key}: {e}") from None
-        try:
-            config = AutoConfig.from_pretrained(folder)
-        except (OSError, ValueError, KeyError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"{key}: transformers cannot read {folder} ({first})") from None
-        archs = list(getattr(config, "architectures", None) or [])
-        if name == "judge" and not any(a in vllm_architectures() for a in archs):
-            raise ConfigError(
-                f"{key}: vLLM serves none of {folder}'s architectures {archs}; the judge"
-                " runs on vLLM"
-            )
-        if name == "reward_model":
-            from async_grpo.rewards.reward_model import is_classifier
+    key = f"verifier.{name}.model"
+    try:
+        folder = resolve_model(getattr(cfg.verifier, name).model)
+    except UserError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}: transformers cannot read {folder} ({first})") from None
+    archs = list(getattr(config, "architectures", None) or [])
+    if name == "judge" and not any(a in vllm_architectures() for a in archs):
+        raise ConfigError(
+            f"{key}: vLLM serves none of {folder}'s architectures {archs}; the judge runs on vLLM"
+        )
+    if name == "reward_model":
+        from async_grpo.rewards.reward_model import is_classifier
 
-            why = is_classifier(config)
-            if why is not None:
-                raise ConfigError(f"{key}: {folder} is not a reward model: {why}")
-        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            raise ConfigError(f"{key}: {folder} has no tokenizer (tokenizer.json)")
+        why = is_classifier(config)
+        if why is not None:
+            raise ConfigError(f"{key}: {folder} is not a reward model: {why}")
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"{key}: {folder} has no tokenizer (tokenizer.json)")

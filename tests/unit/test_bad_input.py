@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from _cli import run_command
+from _cli import CLI, REPO, free_port, run_command
 
 
 def _run(tmp_path, *overrides):
@@ -396,3 +396,29 @@ def test_the_train_command_refuses_what_run_refuses(tmp_path):
     cmd[cmd.index("run")] = "train"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     _refused(r, f"{path}:1: column 'input': missing (dataset.prompt_key")
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["worker", "--mode", "generation", "--model", "/no/such/model"], ("/no/such/model",)),
+        (["worker", "--mode", "verifier", "verifier.rewards=[nopkg.mod:fn]"], ("nopkg.mod",)),
+        (["worker", "--mode", "judge"], ("verifier.judge.model", "required for --mode judge")),
+        (["eval", "/no/such/model", "--data", "d.jsonl"], ("/no/such/model",)),
+        (["eval", "smollm2-135m", "--data", "d.jsonl", "--rewards", "json:nope"], ("'json:nope'",)),
+    ],
+    ids=["worker-model", "worker-reward", "worker-judge", "eval-model", "eval-reward"],
+)
+def test_every_command_refuses_before_ray_the_same_way(tmp_path, args, words):
+    """`worker` and `eval` pass through the same door as `run` and `train`
+    (`preflight.checked_before_ray`): bad input is one line, exit 2, before they reach a
+    cluster (the address given has none: reaching for it would be another line)."""
+    (tmp_path / "d.jsonl").write_text('{"input": "1 + 1", "answer": "2"}\n')
+    where = ["--address", f"127.0.0.1:{free_port()}"]
+    config = ["--config", str(REPO / "configs" / "arithmetic.yaml")]
+    if args[0] == "worker":
+        cmd = [*CLI, args[0], *args[1:3], *where, *config, *args[3:]]
+    else:
+        cmd = [*CLI, *args, *where, *config, "-o", str(tmp_path / "eval")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    _refused(r, *words)
