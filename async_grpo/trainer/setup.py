@@ -50,7 +50,6 @@ def build_trainer(
     from async_grpo.trainer.batcher_link import group_timeout, setup_batcher
     from async_grpo.trainer.model import build_optimizer, build_policy
 
-    checkpoint.refuse_reuse(cfg.output_dir, resume)  # before Ray: a new run, a used folder
     t = cfg.trainer
     timeout = group_timeout(cfg)
     if t.device == "cuda":
