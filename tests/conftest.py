@@ -125,6 +125,28 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: (rank.get(_group(it), len(rank)), order[id(it)]))
 
 
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Seconds of test time per file (set-up, call and tear-down), summed where the reports
+    arrive: the controller under pytest-xdist."""
+    path = report.nodeid.split("::")[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 files that took the most test time, after `--durations`' slowest tests: where
+    the suite's time goes (docs/testing.md)."""
+    if not FILE_SECONDS:
+        return
+    top = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
+    total = sum(FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest files ({total:.0f} s of test time in all)")
+    for path, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+
+
 @pytest.fixture
 def ray_head():
     """A private head node (`ray start --block` in a session of its own, as `async-grpo run`
