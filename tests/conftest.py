@@ -142,7 +142,12 @@ def pytest_terminal_summary(terminalreporter):
         return
     top = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
     total = sum(FILE_SECONDS.values())
-    terminalreporter.write_sep("=", f"slowest files ({total:.0f} s of test time in all)")
+    tiers: dict[str, float] = {}
+    for path, seconds in FILE_SECONDS.items():
+        tier = path.split("/")[1] if path.count("/") > 1 else path
+        tiers[tier] = tiers.get(tier, 0.0) + seconds
+    by_tier = ", ".join(f"{t} {s:.0f} s" for t, s in sorted(tiers.items(), key=lambda kv: -kv[1]))
+    terminalreporter.write_sep("=", f"slowest files ({total:.0f} s of test time: {by_tier})")
     for path, seconds in top:
         terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
 
