@@ -88,8 +88,9 @@ class EvalHook(TrainingHook):
             self.started[version] = time.perf_counter() - self.t0
 
     def before_push(self, version: int) -> None:
-        """The evaluation of the version being replaced must finish first."""
-        if not self._running():
+        """The evaluation of the version being replaced must finish first; results that
+        finished before it are collected too (at the run's end no later step would)."""
+        if self.actor is None:
             return
         t = time.perf_counter()
         results = self._ask("wait", self.cfg.eval.timeout_s, timeout_s=self.cfg.eval.timeout_s)
@@ -109,9 +110,6 @@ class EvalHook(TrainingHook):
 
         ray.kill(self.actor)
         self.actor = None
-
-    def _running(self) -> list[int]:
-        return self._ask("running") if self.actor is not None else []
 
     def _ask(self, method: str, *args: Any, timeout_s: float = 0.0) -> Any:
         import ray

@@ -4,6 +4,7 @@
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +255,43 @@ def test_eval_settings_that_cannot_run_are_refused(override, message):
 def test_the_old_tensorboard_key_says_where_it_went():
     with pytest.raises(ConfigError, match="tensorboard: moved; use trackers.tensorboard"):
         load_config(None, ["tensorboard=true"])
+
+
+def test_an_evaluation_finished_before_the_run_ends_is_still_logged(ray_cluster, tiny_model_dir):
+    """The final version's evaluation can finish before rank 0 reaches the run's end (a
+    small held-out set, a slow last checkpoint): the hook's end still writes its row, once,
+    through a real actor."""
+    import ray
+
+    from async_grpo.evaluation.hook import EvalHook
+    from async_grpo.evaluation.scoring import EvalResult
+    from async_grpo.hooks import HookContext, Hooks
+
+    @ray.remote(num_cpus=0)
+    class AtOnce:  # the Evaluator's interface; every evaluation is done as it starts
+        def __init__(self):
+            self.done = []
+
+        def start(self, version):
+            self.done.append(EvalResult(version, {"eval/pass_at_1": 0.5}, [], 0.0))
+
+        def finished(self):
+            done, self.done = self.done, []
+            return done
+
+        def wait(self, timeout_s):
+            return self.finished()
+
+    cfg = load_config(
+        "configs/arithmetic.yaml",
+        ["eval.data=sample-data/arithmetic-heldout.jsonl", "eval.every=2", "trainer.max_steps=4"],
+    )
+    rows = []
+    hook = EvalHook(cfg, str(tiny_model_dir), 0)
+    hook.ctx = HookContext(cfg, Path("."), str(tiny_model_dir), lambda s, r: rows.append(s))
+    hook.ctx.hooks = Hooks([])
+    hook.actor = AtOnce.remote()
+    hook.after_push(4)  # the final push; its evaluation is finished before the end
+    ray.get(hook.actor.__ray_ready__.remote(), timeout=60)
+    hook.on_end()
+    assert rows == [4]
