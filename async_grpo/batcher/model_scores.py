@@ -17,6 +17,7 @@ from typing import Any
 
 from async_grpo.config import RunConfig, VerifierConfig
 from async_grpo.data import Prompt
+from async_grpo.deadline import within
 
 OUTCOMES = ("scored", "timeout", "error", "unparsed")
 CALLS = {"judge": "judge", "reward_model": "score"}  # pool -> the worker's method
@@ -74,10 +75,8 @@ async def _scores(
     n = len(texts)
     counters[f"{name}/scored"] += n
     try:
-        async with asyncio.timeout(sub.timeout_s):
-            answers = await client.call(
-                n, CALLS[name], call_items(name, prompt, texts), on_retry=on_retry
-            )
+        call = client.call(n, CALLS[name], call_items(name, prompt, texts), on_retry=on_retry)
+        answers = await within(call, sub.timeout_s)  # the bound holds (deadline.py)
     except TimeoutError:
         counters[f"{name}/timeout"] += n
         return [sub.fallback] * n

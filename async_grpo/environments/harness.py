@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from async_grpo.config import ConfigError
+from async_grpo.deadline import within
 from async_grpo.text import not_unicode
 
 STUCK_LIMIT = 4  # rollout threads still blocked after their timeout; then the run stops
@@ -126,7 +127,7 @@ def drive(
         async with openai.AsyncOpenAI(
             base_url=base_url, api_key=token, max_retries=0, timeout=timeout_s, http_client=http
         ) as client:
-            return await asyncio.wait_for(fn(client, row), timeout_s)
+            return await within(fn(client, row), timeout_s)
 
     return asyncio.run(main())
 

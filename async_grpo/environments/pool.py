@@ -36,6 +36,7 @@ from typing import Any
 
 from async_grpo.cause import subject
 from async_grpo.config import EnvironmentConfig
+from async_grpo.deadline import within
 from async_grpo.environments.base import Environment, StepResult, Task, checked
 from async_grpo.environments.registry import get_environment
 from async_grpo.faults import fault_point
@@ -111,7 +112,7 @@ class EnvironmentWorker:
         """Run an environment method within the step timeout: awaited if async, else on
         this worker's threads (a slow step of one episode never blocks the others)."""
         if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(*args), timeout=self.cfg.step_timeout_s)
+            return await within(fn(*args), self.cfg.step_timeout_s)
         loop = asyncio.get_running_loop()
         job = self._threads.submit(fn, *args)
         try:
@@ -126,7 +127,7 @@ class EnvironmentWorker:
                     self._leaving = loop.create_task(self._retire())
             raise
         if inspect.isawaitable(out):
-            return await asyncio.wait_for(out, timeout=self.cfg.step_timeout_s)
+            return await within(out, self.cfg.step_timeout_s)
         return out
 
     def _unstick(self) -> None:

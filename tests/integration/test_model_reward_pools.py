@@ -80,7 +80,7 @@ def test_a_judge_past_its_timeout_gives_the_fallback_and_keeps_serving(verifier)
         verifier, judge=dataclasses.replace(verifier.judge, timeout_s=0.01, fallback=0.5)
     )
     out, counts = _ask(hurried)
-    assert out["judge"] == [0.5] * 4 and counts["judge/timeout"] == 4, counts
+    assert out["judge"] == [0.5] * 4 and counts.get("judge/timeout") == 4, counts
     out, counts = _ask(verifier)  # the cancelled calls left the worker serving
     assert counts["judge/unparsed"] == 4 and "judge/timeout" not in counts, counts
 
