@@ -34,7 +34,14 @@ def _run(tiny_model_dir, out, steps, *extra, expect=0):
         "verifier.rewards=[rewards_for_tests:vowel_share]",
         *extra,
     )
-    r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=900)
+    try:  # ended before pytest's own 600 s, so a run that does not start says where it was
+        r = subprocess.run(cmd, env=plugin_env(), capture_output=True, text=True, timeout=540)
+    except subprocess.TimeoutExpired as e:
+        said = [
+            x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+            for x in (e.stdout, e.stderr)
+        ]
+        pytest.fail(f"the run did not end within 540 s; its output:\n{''.join(said)[-6000:]}")
     assert r.returncode == expect, (r.stdout + r.stderr)[-6000:]
     return r
 
