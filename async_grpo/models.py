@@ -15,7 +15,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from async_grpo.errors import UserError
 
@@ -123,9 +125,7 @@ def prepare_model(name: str, out_dir: Path | None = None, force: bool = False) -
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _DONE_MARKER).write_text(json.dumps({"source": gguf.name, "dtype": "float32"}))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        publish(tmp, out_dir, keep=None if force else lambda done: True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -192,13 +192,30 @@ def in_dtype(model_dir: str | Path, dtype: str) -> Path:
     try:
         _copy_in_dtype(src, tmp, dtype)
         (tmp / _DONE_MARKER).write_text(json.dumps(stamp))
-        if out.exists():  # a stale copy
-            shutil.rmtree(out, ignore_errors=True)
-        with contextlib.suppress(OSError):  # another worker's copy (same bytes) came first
-            os.replace(tmp, out)
+        publish(tmp, out, keep=lambda done: done == stamp)  # a stale copy is replaced
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def publish(tmp: Path, out: Path, keep: Callable[[Any], bool] | None = None) -> None:
+    """Put the finished folder `tmp` at `out` in one rename, never deleting a folder
+    another process may be reading: several workers of a node start at once and each
+    makes the same folder. A finished folder already at `out` (its marker read as `done`)
+    stays when `keep(done)` says so (another process's, the same bytes: it may be loading
+    it now), and `tmp` is left for the caller to delete; any other is renamed aside first,
+    then deleted, so `out` is never half there. `keep=None`: always replaced."""
+    marker = out / _DONE_MARKER
+    with contextlib.suppress(OSError, ValueError):
+        if keep is not None and keep(json.loads(marker.read_text())):
+            return
+    if out.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
+        with contextlib.suppress(FileNotFoundError):  # another process moved it first
+            os.replace(out, aside / out.name)
+        shutil.rmtree(aside, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another process's (the same bytes) came first
+        os.replace(tmp, out)
 
 
 def special_token_flags(gguf: Path) -> dict[str, bool]:

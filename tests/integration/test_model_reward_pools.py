@@ -31,7 +31,8 @@ def verifier(cluster, tiny_model_dir, tiny_classifier_dir):
     v = VerifierConfig(
         rewards=[],
         judge=_judge(tiny_model_dir, verdict="pattern", fallback=0.25),
-        reward_model=RewardModelConfig(model=str(tiny_classifier_dir)),
+        # float32 as the transformers reference below (`auto` is bfloat16 on AMX/AVX512-BF16)
+        reward_model=RewardModelConfig(model=str(tiny_classifier_dir), dtype="float32"),
     )
     starting = [
         begin_judge_workers(str(tiny_model_dir), v.judge, 1),

@@ -257,7 +257,8 @@ def test_the_reward_model_scores_as_transformers_does_in_any_batch(tiny_classifi
     pairs += [([{"role": "user", "content": "2 + 2?"}], "It is 4.")]
 
     async def go(budget):
-        worker, started = _worker(tiny_classifier_dir, max_tokens_per_batch=budget)
+        # float32 as transformers' reference: `auto` is bfloat16 on AMX and AVX512-BF16
+        worker, started = _worker(tiny_classifier_dir, max_tokens_per_batch=budget, dtype="float32")
         await started()
         out = await worker.score(pairs)
         batches = worker.batches
