@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor, nn
+if TYPE_CHECKING:  # torch is imported where it computes: `async-grpo --help` does not load it
+    from torch import Tensor, nn
 
 from async_grpo.config import LoraConfig
 
@@ -81,6 +82,7 @@ def outside_decoder_layers(hf: nn.Module) -> list[str]:
     layers (`core.model_parts.decoder_layers`). GPT-2's `Conv1D` is one of them: its weight
     is stored transposed, which the merge does not expect (and vLLM serves GPT-2 without
     LoRA)."""
+    import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from async_grpo.core.model_parts import decoder_layers
@@ -91,7 +93,7 @@ def outside_decoder_layers(hf: nn.Module) -> list[str]:
         name
         for name, m in hf.named_modules()
         if isinstance(m, BaseTunerLayer)
-        and not (name.startswith(prefix) and isinstance(m.get_base_layer(), nn.Linear))
+        and not (name.startswith(prefix) and isinstance(m.get_base_layer(), torch.nn.Linear))
     ]
 
 
