@@ -7,6 +7,7 @@ policy (2-thread runs were sometimes 10x slower without it on the 2-core machine
 """
 
 import os
+import subprocess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -126,18 +127,58 @@ def pytest_collection_modifyitems(config, items):
 
 
 FILE_SECONDS: dict[str, float] = {}
+FILE_RUNS: dict[str, int] = {}  # whole runs per file (`count_whole_runs`)
 
 
 def pytest_runtest_logreport(report):
-    """Seconds of test time per file (set-up, call and tear-down), summed where the reports
-    arrive: the controller under pytest-xdist."""
+    """Seconds of test time per file (set-up, call and tear-down), and the whole runs its
+    tests made, summed where the reports arrive: the controller under pytest-xdist."""
     path = report.nodeid.split("::")[0]
     FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+    if report.when == "teardown":  # each phase's report carries the test's whole list
+        runs = sum(n for key, n in report.user_properties if key == "whole_runs")
+        FILE_RUNS[path] = FILE_RUNS.get(path, 0) + runs
+
+
+STARTED: list = []  # this process's `async-grpo run` and `eval` processes, not yet counted
+_popen_init = subprocess.Popen.__init__
+
+
+def _recording_init(self, args, *rest, **kwargs):
+    _popen_init(self, args, *rest, **kwargs)
+    argv = [str(a) for a in args] if isinstance(args, list | tuple) else []
+    if "async_grpo.cli" in argv[:-1] and argv[argv.index("async_grpo.cli") + 1] in ("run", "eval"):
+        STARTED.append((self, argv))
+
+
+subprocess.Popen.__init__ = _recording_init  # every test's commands, however started
+
+
+def _whole_run(proc, argv) -> bool:
+    """A command that got past its start-up checks (started Ray): any exit but 2, or a run
+    that wrote metrics before it stopped with 2 (a step that failed to score)."""
+    if proc.returncode != 2:
+        return True
+    out = next((a.split("=", 1)[1] for a in argv if a.startswith("output_dir=")), None)
+    return out is not None and (Path(out) / "training_metrics.jsonl").is_file()
+
+
+@pytest.fixture(autouse=True)
+def count_whole_runs(request):
+    """The whole runs that ended during this test (or its module's fixtures before it),
+    reported with it (`pytest_terminal_summary`): the suite's costliest unit."""
+    yield
+    ended = [(p, a) for p, a in STARTED if p.poll() is not None]
+    for item in ended:
+        STARTED.remove(item)
+    runs = sum(_whole_run(p, a) for p, a in ended)
+    if runs:
+        request.node.user_properties.append(("whole_runs", runs))
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The 15 files that took the most test time, after `--durations`' slowest tests: where
-    the suite's time goes (docs/testing.md)."""
+    """The 15 files that took the most test time, after `--durations`' slowest tests, with
+    the whole runs each made: where the suite's time goes (docs/testing.md)."""
     if not FILE_SECONDS:
         return
     top = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
@@ -147,9 +188,17 @@ def pytest_terminal_summary(terminalreporter):
         tier = path.split("/")[1] if path.count("/") > 1 else path
         tiers[tier] = tiers.get(tier, 0.0) + seconds
     by_tier = ", ".join(f"{t} {s:.0f} s" for t, s in sorted(tiers.items(), key=lambda kv: -kv[1]))
-    terminalreporter.write_sep("=", f"slowest files ({total:.0f} s of test time: {by_tier})")
+    runs = sum(FILE_RUNS.values())
+    terminalreporter.write_sep(
+        "=",
+        f"slowest files ({total:.0f} s of test time: {by_tier}; whole runs: {runs}, `run`"
+        " or `eval` commands past their start-up checks)",
+    )
     for path, seconds in top:
-        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+        n = FILE_RUNS.get(path, 0)
+        terminalreporter.write_line(
+            f"{seconds:8.1f}s  {path}" + (f"  (whole runs: {n})" if n else "")
+        )
 
 
 @pytest.fixture
