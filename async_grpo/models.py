@@ -173,7 +173,9 @@ def in_dtype(model_dir: str | Path, dtype: str) -> Path:
     """`model_dir` with its floating-point weights stored in `dtype`: the folder itself when
     they already are, else a copy made once in the cache. An engine that computes in
     `dtype` then loads its weights as they are, instead of casting (and warning about)
-    every tensor; the values are those the cast would give."""
+    every tensor; the values are those the cast would give. The copy's name holds its
+    source's path and modification time: a changed source gets a copy of its own, and a
+    copy is never replaced while an engine may be loading it (`publish`)."""
     import hashlib
 
     src = Path(model_dir).resolve()
@@ -182,7 +184,7 @@ def in_dtype(model_dir: str | Path, dtype: str) -> Path:
     if not files or want is None or _stored_dtype(files[0]) in (want, None):
         return src
     stamp = {"source": str(src), "mtime": max(f.stat().st_mtime for f in files), "dtype": dtype}
-    key = hashlib.sha1(str(src).encode()).hexdigest()[:10]
+    key = hashlib.sha1(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:10]
     out = cache_dir() / "engine-weights" / f"{src.name}-{key}.{dtype}"
     marker = out / _DONE_MARKER
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
@@ -192,7 +194,7 @@ def in_dtype(model_dir: str | Path, dtype: str) -> Path:
     try:
         _copy_in_dtype(src, tmp, dtype)
         (tmp / _DONE_MARKER).write_text(json.dumps(stamp))
-        publish(tmp, out, keep=lambda done: done == stamp)  # a stale copy is replaced
+        publish(tmp, out, keep=lambda done: done == stamp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

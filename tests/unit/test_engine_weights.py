@@ -56,15 +56,19 @@ def test_a_copy_another_worker_finished_first_is_kept_not_deleted(tmp_path, monk
     assert not [p for p in mine.parent.iterdir() if p.name.startswith(".")]  # nothing left
 
 
-def test_a_stale_copy_is_replaced_whole(tmp_path, monkeypatch):
+def test_a_changed_source_gets_a_copy_of_its_own(tmp_path, monkeypatch):
+    """The earlier copy is left as it was: a worker started before the change may still be
+    loading it."""
     monkeypatch.setenv("ASYNC_GRPO_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "model"
     tiny_llama(seed=2).save_pretrained(src)
     old = in_dtype(src, "bfloat16")
+    made = (old / "model.safetensors").stat()
     tiny_llama(seed=3).save_pretrained(src)  # the source changed: a newer mtime
     os.utime(src / "model.safetensors", ns=(time.time_ns() + 10**9,) * 2)
     new = in_dtype(src, "bfloat16")
-    assert new == old
+    assert new != old
+    assert (old / "model.safetensors").stat().st_ino == made.st_ino  # untouched
     want = load_file(src / "model.safetensors")
     got = load_file(new / "model.safetensors")
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())
