@@ -67,10 +67,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.evaluation.runner import Evaluator
+    from async_grpo.local_head import LocalHead
     from async_grpo.logs import quiet_libraries
     from async_grpo.preflight import checked_before_ray
     from async_grpo.ray_utils import connect
-    from async_grpo.run import LocalHead
 
     cfg = eval_config(args)
     model_dir = Path(checked_before_ray(cfg, "eval", model=args.model))

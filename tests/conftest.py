@@ -206,7 +206,7 @@ def ray_head():
     """A private head node (`ray start --block` in a session of its own, as `async-grpo run`
     starts one): killing its process group ends exactly this cluster, at once (`ray stop`
     would end every Ray process of the user; a SIGTERM to the head takes ~30 s)."""
-    from async_grpo.run import LocalHead
+    from async_grpo.local_head import LocalHead
 
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     head = LocalHead(num_cpus=4, object_store_bytes=256 << 20)

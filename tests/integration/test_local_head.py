@@ -1,4 +1,4 @@
-"""The private Ray head of `async-grpo run` (`run.LocalHead`), started for real."""
+"""The private Ray head of `async-grpo run` (`local_head.LocalHead`), started for real."""
 
 import socket
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import async_grpo.run as run
+import async_grpo.local_head as run
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,122 @@
+"""The private Ray head of `async-grpo run` and `async-grpo eval`: `ray start --head
+--block` in a session of its own on a free port, and its stop, which ends every process
+of that session at once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HEAD_START_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalHead:
+    """A private Ray head node in the foreground (`ray start --block`): ending the process
+    ends exactly this cluster."""
+
+    TRIES = 3  # a free port can be taken before the head binds it (another run starting)
+
+    def __init__(self, num_cpus: int, object_store_bytes: int) -> None:
+        for tries_left in reversed(range(self.TRIES)):
+            error = self._start(num_cpus, object_store_bytes)
+            if error is None:
+                return
+            shutil.rmtree(self.temp, ignore_errors=True)
+            if not tries_left:
+                raise RuntimeError(f"ray head exited: {error[-2000:]}")
+
+    def _gcs_failed(self) -> str:
+        """The GCS's own line when it could not bind its port: `ray start` notices only
+        after waiting about 40 s for it."""
+        for log in Path(self.temp).glob("session_*/logs/gcs_server.out"):
+            with contextlib.suppress(OSError):
+                for line in log.read_text(errors="replace").splitlines():
+                    if "Failed to start the grpc server" in line:
+                        return line
+        return ""
+
+    def _start(self, num_cpus: int, object_store_bytes: int) -> str | None:
+        """Start the head on a free port; None once it listens, or its stderr if it exited
+        (the GCS fails to start when another process took the port first)."""
+        self.port = _free_port()
+        self.temp = tempfile.mkdtemp(prefix="agr", dir="/tmp")  # Unix socket paths are short
+        ray_bin = str(Path(sys.executable).with_name("ray"))
+        self.proc = subprocess.Popen(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--num-cpus={num_cpus}",
+                f"--object-store-memory={object_store_bytes}",
+                f"--temp-dir={self.temp}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.address = f"127.0.0.1:{self.port}"
+        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+        while True:
+            gcs_failed = self._gcs_failed()
+            if gcs_failed or self.proc.poll() is not None:
+                with contextlib.suppress(ProcessLookupError):  # what it started before failing
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                return gcs_failed or self.proc.stderr.read().decode()
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return None
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(
+                        f"ray head did not listen on {self.address} within"
+                        f" {HEAD_START_TIMEOUT_S:.0f}s"
+                    ) from None
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Kill the whole private cluster at once: every process of the head's session
+        (`ray start` and what it started: the GCS and raylet in its process group, the
+        workers in groups of their own, their engines and scoring processes), until none
+        runs (up to 30 s). A SIGTERM to `ray start --block` took ~33 s to wind down
+        processes whose state dies with this run anyway (tests/faults/test_signals.py)."""
+        deadline = time.monotonic() + 30
+        while (running := session_running(self.proc.pid)) and time.monotonic() < deadline:
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def session_running(sid: int) -> list[int]:
+    """The processes of session `sid` that still run (a zombie has ended: its parent may
+    never reap it where PID 1 does not)."""
+    running = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = (proc / "stat").read_text().rpartition(")")[2].split()
+                if int(fields[3]) == sid and fields[0] != "Z":  # state ppid pgrp session
+                    running.append(int(proc.name))
+    return running
