@@ -15,9 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from async_grpo.errors import UserError
 
@@ -125,7 +123,7 @@ def prepare_model(name: str, out_dir: Path | None = None, force: bool = False) -
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _DONE_MARKER).write_text(json.dumps({"source": gguf.name, "dtype": "float32"}))
-        publish(tmp, out_dir, keep=None if force else lambda done: True)
+        publish(tmp, out_dir, replace=force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -194,23 +192,21 @@ def in_dtype(model_dir: str | Path, dtype: str) -> Path:
     try:
         _copy_in_dtype(src, tmp, dtype)
         (tmp / _DONE_MARKER).write_text(json.dumps(stamp))
-        publish(tmp, out, keep=lambda done: done == stamp)
+        publish(tmp, out)  # a finished copy of this name holds this stamp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def publish(tmp: Path, out: Path, keep: Callable[[Any], bool] | None = None) -> None:
+def publish(tmp: Path, out: Path, replace: bool = False) -> None:
     """Put the finished folder `tmp` at `out` in one rename, never deleting a folder
     another process may be reading: several workers of a node start at once and each
-    makes the same folder. A finished folder already at `out` (its marker read as `done`)
-    stays when `keep(done)` says so (another process's, the same bytes: it may be loading
-    it now), and `tmp` is left for the caller to delete; any other is renamed aside first,
-    then deleted, so `out` is never half there. `keep=None`: always replaced."""
-    marker = out / _DONE_MARKER
-    with contextlib.suppress(OSError, ValueError):
-        if keep is not None and keep(json.loads(marker.read_text())):
-            return
+    makes the same folder. A finished folder already at `out` (it has its marker) stays
+    unless `replace` (another process's, the same bytes: it may be loading it now), and
+    `tmp` is left for the caller to delete; any other is renamed aside first, then
+    deleted, so `out` is never half there."""
+    if (out / _DONE_MARKER).is_file() and not replace:
+        return
     if out.exists():
         aside = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
         with contextlib.suppress(FileNotFoundError):  # another process moved it first
