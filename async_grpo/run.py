@@ -40,7 +40,7 @@ POOL_ORDER = (
     "logprob",
     "judge",
     "generation",
-)  # quickest first
+)  # quickest to start first
 # `async-grpo run` starts its ranks while its pools start; a rank waits for this file
 POOLS_READY_ENV = "ASYNC_GRPO_POOLS_READY"
 POOLS_READY_TIMEOUT_S = 1800.0  # longer than any pool's start timeout: the run gives up first
@@ -244,8 +244,11 @@ def run_local(
                 signal.signal(sig, stop_on_signal)
         starters, counts = pool_starters(cfg, model_dir, logs)
         # the pools and the trainer start side by side: a rank loads its model while the
-        # engines start, and waits for POOLS_READY before it asks the pools for anything
-        starting = {pool: starters[pool](counts[pool]) for pool in POOL_ORDER if pool in starters}
+        # engines start, and waits for POOLS_READY before it asks the pools for anything.
+        # The slowest pool starts first (the engine is the run's longest start), the waits
+        # go quickest first (a pool that cannot start is named as soon as it fails)
+        begun = {p: starters[p](counts[p]) for p in reversed(POOL_ORDER) if p in starters}
+        starting = {pool: begun[pool] for pool in POOL_ORDER if pool in begun}
         print(
             f"starting {sum(counts.values())} pool workers and {cfg.trainer.num_ranks}"
             " trainer rank(s)",

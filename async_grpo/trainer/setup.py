@@ -80,12 +80,14 @@ def build_trainer(
     model_dir = str(resolve_model(cfg.model))
     resume_from = checkpoint.find_resume(cfg.output_dir, resume) if resume else None
     attention, reason = select_trainer_attention(cfg)
-    policy = build_policy(model_dir, t, device, world, attention, seed=cfg.batcher.seed)
-    opt, sched = build_optimizer(policy, t)
-    wait_for_pools()
+    # the batcher's actor starts while the policy loads and the engines start: it asks the
+    # pools for nothing until `start` (its process start was ~6 s before the first step)
     batcher = setup_batcher(
         cfg, model_dir, rank, world, None if verbose else log_dir(cfg.output_dir)
     )
+    policy = build_policy(model_dir, t, device, world, attention, seed=cfg.batcher.seed)
+    opt, sched = build_optimizer(policy, t)
+    wait_for_pools()
     trainer = Trainer(cfg, policy, opt, sched, batcher, model_dir, device)
     trainer.attention_reason = reason
     if resume_from is not None:
