@@ -64,6 +64,7 @@ class LocalHead:
                 "--node-ip-address=127.0.0.1",
                 f"--port={self.port}",
                 "--include-dashboard=false",
+                "--no-monitor",  # a private head has no autoscaler: no process for one
                 f"--num-cpus={num_cpus}",
                 f"--object-store-memory={object_store_bytes}",
                 f"--temp-dir={self.temp}",
