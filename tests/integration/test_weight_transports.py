@@ -143,6 +143,37 @@ def test_status_and_ping_report_each_transport(workers, pusher):
     assert pusher.slots.path.startswith("/dev/shm/")
 
 
+def test_a_push_whose_requests_outlast_its_timeout_names_the_worker_and_serves_on(
+    workers, prompt
+):
+    """A push waits for the running requests only so long: past its timeout the worker
+    says which worker, what it waited for and which version, takes no push, and serves on
+    with the weights it has (the running requests finish under them)."""
+    import time
+
+    import ray
+
+    near, _ = workers
+    version = int(ray.get(near.ping.remote())["version"])
+    running = near.generate.remote(
+        prompt, 2, SamplingSettings(max_new_tokens=40, temperature=1.0, seed=5)
+    )
+    deadline = time.monotonic() + 60
+    while ray.get(near.ping.remote())["in_flight"] == 0:
+        assert time.monotonic() < deadline, "the request did not start within 60 s"
+        time.sleep(0.01)
+    with pytest.raises(TimeoutError) as refused:
+        ray.get(near.begin_update.remote(version + 1, 0.05), timeout=60)
+    said = str(refused.value)
+    assert "generation worker gen-" in said, said
+    assert "its running requests were not finished within 0.05 s" in said, said
+    assert f"so the push of version {version + 1} did not start there" in said, said
+    done = ray.get(running, timeout=120)
+    assert len(done) == 2 and {c.policy_version for c in done} == {version}
+    after = ray.get(near.generate.remote(prompt, 1, SEEDED), timeout=120)
+    assert after[0].token_ids and ray.get(near.ping.remote())["version"] == version
+
+
 def test_push_while_requests_run_labels_every_token_with_its_weights(
     workers, pusher, policy, prompt
 ):

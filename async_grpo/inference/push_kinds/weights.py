@@ -6,10 +6,10 @@ and the new version labels every token from the end of the push on."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
+from async_grpo.deadline import within
 from async_grpo.inference.push_kinds.base import PushKind
 
 
@@ -22,11 +22,19 @@ class WeightsPush(PushKind):
         await worker._update_lock.acquire()
         try:
             t = time.perf_counter()
-            async with asyncio.timeout(timeout_s):
-                if in_flight:
-                    await worker.engine.pause_generation(mode="keep", clear_cache=False)
-                else:
-                    await worker.engine.pause_generation(mode="wait", clear_cache=True)
+            if in_flight:
+                pause = worker.engine.pause_generation(mode="keep", clear_cache=False)
+            else:
+                pause = worker.engine.pause_generation(mode="wait", clear_cache=True)
+            try:
+                await within(pause, timeout_s)
+            except TimeoutError:
+                waited = "froze" if in_flight else "finished"
+                raise TimeoutError(
+                    f"generation worker {worker.worker_id}: its running requests were not"
+                    f" {waited} within {timeout_s:g} s, so the push of version {version}"
+                    " did not start there"
+                ) from None
             worker.last_drain_s = time.perf_counter() - t
             worker.clock.pause(True)
             await worker.engine.start_weight_update()
