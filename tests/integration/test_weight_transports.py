@@ -143,9 +143,7 @@ def test_status_and_ping_report_each_transport(workers, pusher):
     assert pusher.slots.path.startswith("/dev/shm/")
 
 
-def test_a_push_whose_requests_outlast_its_timeout_names_the_worker_and_serves_on(
-    workers, prompt
-):
+def test_a_push_whose_requests_outlast_its_timeout_names_the_worker_and_serves_on(workers, prompt):
     """A push waits for the running requests only so long: past its timeout the worker
     says which worker, what it waited for and which version, takes no push, and serves on
     with the weights it has (the running requests finish under them)."""
