@@ -91,7 +91,8 @@ class PromptTable:
 class SourceTable(PromptTable):
     """The source's own rows as prompts (checked whole by `prepare_table` before the run),
     each rendered and tokenized when it is read: nothing is prepared ahead or written.
-    Pickles as its arguments; the process that unpickles it opens the same rows."""
+    Pickles as its arguments and its tokenizer, once loaded (`_portable`); the process that
+    unpickles it opens the same rows."""
 
     def __init__(
         self,
@@ -126,7 +127,9 @@ class SourceTable(PromptTable):
         return _prompt({k: v[0] for k, v in encode(rows, self.tokenizer, self.spec).items()})
 
     def _head(self, n: int) -> PromptTable:
-        return SourceTable(*self.args, limit=n)
+        head = SourceTable(*self.args, limit=n)
+        head._tokenizer = self._tokenizer
+        return head
 
     def texts(self) -> Any:
         """The prompt column's text, or each conversation's last user turn."""
@@ -160,10 +163,32 @@ class SourceTable(PromptTable):
         return self.rows.data.column(name).slice(0, self._len)
 
     def __reduce__(self) -> tuple:
-        return (SourceTable, (*self.args, self.limit))
+        return (_open_source, (self.args, self.limit, _portable(self._tokenizer)))
 
     def __repr__(self) -> str:
         return f"SourceTable({self.source}, {self._len} prompts)"
+
+
+def _open_source(args: tuple, limit: int | None, tokenizer: Any) -> SourceTable:
+    table = SourceTable(*args, limit=limit)
+    table._tokenizer = tokenizer
+    return table
+
+
+def _portable(tokenizer: Any) -> Any:
+    """`tokenizer` where it pickles, else None (the reader then loads it by path). A fast
+    tokenizer pickles: the process that reads the rows (the batcher) then never imports
+    `AutoTokenizer`, whose import brings transformers' model classes and torch's compiler
+    (AMX Xeon: 1.1 s to unpickle SmolLM2's, 5.0 s to import and load it)."""
+    import pickle
+
+    if tokenizer is None:
+        return None
+    try:
+        pickle.dumps(tokenizer)
+    except Exception:  # a tokenizer class that does not pickle: loaded by path instead
+        return None
+    return tokenizer
 
 
 def _prompt(r: dict[str, Any]) -> Prompt:
@@ -227,7 +252,9 @@ def prepare_table(
         )
     if spec.map_fn is None:
         _check_rows(source, tokenizer, spec)
-        return SourceTable(path, model_dir, max_model_len, format, d)
+        table = SourceTable(path, model_dir, max_model_len, format, d)
+        table._tokenizer = tokenizer  # travels with the table when it is pickled
+        return table
     out = _cache_dir() / f"prompts-{_key(source, model_dir, max_model_len, format, d)}.arrow"
     if not out.is_file():
         _write(source, tokenizer, spec, out)

@@ -241,12 +241,15 @@ def test_a_name_with_no_local_copy_is_refused(tmp_path, tiny_model_dir, monkeypa
 
 
 def test_the_table_is_lazy_and_pickles_as_its_path(tmp_path, tiny_model_dir):
-    """What the batcher and the evaluator actors receive: a path, not the rows; the
-    sampler addresses it by index as it did a list."""
+    """What the batcher and the evaluator actors receive: a path and the tokenizer, not the
+    rows (3,000 rows pickle within a kB of 30); the sampler addresses it by index as it
+    did a list."""
     rows = [{"input": f"question {i}", "answer": str(i)} for i in range(3000)]
     table = _prepare(_write("parquet", tmp_path, rows), tiny_model_dir)
+    (tmp_path / "small").mkdir()
+    small = _prepare(_write("parquet", tmp_path / "small", rows[:30]), tiny_model_dir)
     blob = pickle.dumps(table)
-    assert len(blob) < 1000
+    assert abs(len(blob) - len(pickle.dumps(small))) < 1000
     again = pickle.loads(blob)
     sampler = PromptSampler(len(again), seed=3)
     for i in sampler.take(20):
@@ -256,6 +259,29 @@ def test_the_table_is_lazy_and_pickles_as_its_path(tmp_path, tiny_model_dir):
     assert len(pickle.loads(pickle.dumps(head))) == 5
     with pytest.raises(IndexError):
         table[3000]
+
+
+def test_an_unpickled_table_tokenizes_as_before_without_autotokenizer(tmp_path, tiny_model_dir):
+    """The process that receives the table (the batcher) reads each prompt with the
+    tokenizer that came with it: the same token ids, and transformers' model classes
+    (which `AutoTokenizer`'s import brings, ~4 s) never imported there."""
+    rows = [{"input": f"question {i}", "answer": str(i)} for i in range(10)]
+    table = _prepare(_write("parquet", tmp_path, rows), tiny_model_dir)
+    (tmp_path / "table.pkl").write_bytes(pickle.dumps(table))
+    code = (
+        "import pickle, sys\n"
+        "t = pickle.load(open(sys.argv[1], 'rb'))\n"
+        "print(','.join(map(str, t[3].input_token_ids)))\n"
+        "print('transformers.models.auto.modeling_auto' in sys.modules)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "table.pkl")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    ids, imported = r.stdout.split()
+    assert ids == ",".join(map(str, table[3].input_token_ids))
+    assert imported == "False"
 
 
 def test_a_second_start_reads_the_prepared_file(tmp_path, tiny_model_dir, monkeypatch):
