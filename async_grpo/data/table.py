@@ -91,8 +91,8 @@ class PromptTable:
 class SourceTable(PromptTable):
     """The source's own rows as prompts (checked whole by `prepare_table` before the run),
     each rendered and tokenized when it is read: nothing is prepared ahead or written.
-    Pickles as its arguments and its tokenizer, once loaded (`_portable`); the process that
-    unpickles it opens the same rows."""
+    Pickles as its arguments, with the tokenizer it was given (`_portable`: where it
+    pickles); the process that unpickles it opens the same rows."""
 
     def __init__(
         self,
@@ -102,12 +102,14 @@ class SourceTable(PromptTable):
         format: str,
         dataset: DatasetConfig,
         limit: int | None = None,
+        tokenizer: Any = None,
     ) -> None:
         from async_grpo.data.forms import open_rows
 
         self.args = (str(path), str(model_dir), max_model_len, format, dataset)
         self.path = self.source = str(path)
-        self.limit, self._tokenizer = limit, None
+        self.limit = limit
+        self._given = self._tokenizer = tokenizer  # only a given one travels when pickled
         self.rows = open_rows(path, dataset.split)
         self.spec = row_spec(path, dataset, format, max_model_len)
         self._len = len(self.rows) if limit is None else min(limit, len(self.rows))
@@ -127,9 +129,7 @@ class SourceTable(PromptTable):
         return _prompt({k: v[0] for k, v in encode(rows, self.tokenizer, self.spec).items()})
 
     def _head(self, n: int) -> PromptTable:
-        head = SourceTable(*self.args, limit=n)
-        head._tokenizer = self._tokenizer
-        return head
+        return SourceTable(*self.args, limit=n, tokenizer=self._given)
 
     def texts(self) -> Any:
         """The prompt column's text, or each conversation's last user turn."""
@@ -163,16 +163,10 @@ class SourceTable(PromptTable):
         return self.rows.data.column(name).slice(0, self._len)
 
     def __reduce__(self) -> tuple:
-        return (_open_source, (self.args, self.limit, _portable(self._tokenizer)))
+        return (SourceTable, (*self.args, self.limit, self._given))
 
     def __repr__(self) -> str:
         return f"SourceTable({self.source}, {self._len} prompts)"
-
-
-def _open_source(args: tuple, limit: int | None, tokenizer: Any) -> SourceTable:
-    table = SourceTable(*args, limit=limit)
-    table._tokenizer = tokenizer
-    return table
 
 
 def _portable(tokenizer: Any) -> Any:
@@ -252,9 +246,9 @@ def prepare_table(
         )
     if spec.map_fn is None:
         _check_rows(source, tokenizer, spec)
-        table = SourceTable(path, model_dir, max_model_len, format, d)
-        table._tokenizer = tokenizer  # travels with the table when it is pickled
-        return table
+        return SourceTable(
+            path, model_dir, max_model_len, format, d, tokenizer=_portable(tokenizer)
+        )
     out = _cache_dir() / f"prompts-{_key(source, model_dir, max_model_len, format, d)}.arrow"
     if not out.is_file():
         _write(source, tokenizer, spec, out)
