@@ -82,7 +82,11 @@ def run_eval(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     quiet_libraries()
-    head = None if args.address else LocalHead(num_cpus=16, object_store_bytes=1 << 29)
+    head = (
+        None
+        if args.address
+        else LocalHead(num_cpus=16, object_store_bytes=1 << 29, log_monitor=False)
+    )
     actors: list[Any] = []
     try:
         connect(args.address or head.address, log_to_driver=False)

@@ -30,9 +30,11 @@ class LocalHead:
 
     TRIES = 3  # a free port can be taken before the head binds it (another run starting)
 
-    def __init__(self, num_cpus: int, object_store_bytes: int) -> None:
+    def __init__(self, num_cpus: int, object_store_bytes: int, log_monitor: bool = True) -> None:
+        """`log_monitor=False` where no driver streams its actors' output (`log_to_driver`):
+        Ray's log monitor then only costs a process (about 1 CPU second a run)."""
         for tries_left in reversed(range(self.TRIES)):
-            error = self._start(num_cpus, object_store_bytes)
+            error = self._start(num_cpus, object_store_bytes, log_monitor)
             if error is None:
                 return
             shutil.rmtree(self.temp, ignore_errors=True)
@@ -49,7 +51,7 @@ class LocalHead:
                         return line
         return ""
 
-    def _start(self, num_cpus: int, object_store_bytes: int) -> str | None:
+    def _start(self, num_cpus: int, object_store_bytes: int, log_monitor: bool) -> str | None:
         """Start the head on a free port; None once it listens, or its stderr if it exited
         (the GCS fails to start when another process took the port first)."""
         self.port = _free_port()
@@ -65,6 +67,7 @@ class LocalHead:
                 f"--port={self.port}",
                 "--include-dashboard=false",
                 "--no-monitor",  # a private head has no autoscaler: no process for one
+                f"--include-log-monitor={str(log_monitor).lower()}",
                 f"--num-cpus={num_cpus}",
                 f"--object-store-memory={object_store_bytes}",
                 f"--temp-dir={self.temp}",
@@ -72,6 +75,7 @@ class LocalHead:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"},  # as every process joins (ray_utils)
         )
         self.address = f"127.0.0.1:{self.port}"
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S

@@ -232,7 +232,7 @@ def run_local(
     cause_file = exit_dir / "cause"  # the first cause recorded, printed at the end
     try:
         if address is None:
-            head = LocalHead(num_cpus=16, object_store_bytes=1 << 30)
+            head = LocalHead(num_cpus=16, object_store_bytes=1 << 30, log_monitor=verbose)
             watchdog.guard(head.proc.pid)
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)

@@ -13,8 +13,6 @@ import re
 import threading
 from typing import Any
 
-from math_verify import parse, verify
-
 from async_grpo.rewards.registry import RewardInput, RewardOutput, reward
 
 MAX_ANSWER_CHARS = 10_000
@@ -56,6 +54,8 @@ def extract_math_answer(completion: str) -> str | None:
 
 def parse_math(text: str) -> list[Any]:
     """math-verify parse of a bare answer: try it as LaTeX (`$...$`), then as plain text."""
+    from math_verify import parse  # 1 s (sympy's LaTeX parser): not at every command's start
+
     timeout = _timeout()
     parsed = parse(f"${text}$", parsing_timeout=timeout)
     return parsed or parse(text, parsing_timeout=timeout)
@@ -63,6 +63,8 @@ def parse_math(text: str) -> list[Any]:
 
 def answers_match(gold: str, predicted: str) -> bool:
     """True when math-verify finds `predicted` equal to `gold`."""
+    from math_verify import verify
+
     gold_parsed, pred_parsed = parse_math(gold), parse_math(predicted)
     if not gold_parsed or not pred_parsed:
         return False

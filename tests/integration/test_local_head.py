@@ -1,5 +1,6 @@
 """The private Ray head of `async-grpo run` (`local_head.LocalHead`), started for real."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -16,7 +17,8 @@ def test_a_head_whose_port_was_taken_starts_again_on_another(monkeypatch):
     starting, the other pytest worker) can take it; the GCS then fails and the head exits
     (seen in the default test run). The head is started again on a fresh port, and a real
     cluster answers there. The failed start is seen in the GCS's log within a second
-    (`ray start` itself waits about 40 s for the dead GCS)."""
+    (`ray start` itself waits about 40 s for the dead GCS). Started as a quiet run starts
+    it, the head runs no log monitor (nothing streams the actors' output)."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))  # bound, not listening: nothing answers there
     taken_port = taken.getsockname()[1]
@@ -24,7 +26,7 @@ def test_a_head_whose_port_was_taken_starts_again_on_another(monkeypatch):
     real = run._free_port
     monkeypatch.setattr(run, "_free_port", lambda: next(ports, None) or real())
     try:
-        head = run.LocalHead(num_cpus=1, object_store_bytes=80 << 20)
+        head = run.LocalHead(num_cpus=1, object_store_bytes=80 << 20, log_monitor=False)
     finally:
         taken.close()
     try:
@@ -32,8 +34,13 @@ def test_a_head_whose_port_was_taken_starts_again_on_another(monkeypatch):
         cmd = "import ray; ray.init(address='{}'); print(ray.cluster_resources()['CPU'])"
         out = subprocess.run(
             [sys.executable, "-c", cmd.format(head.address)], capture_output=True, text=True,
-            timeout=120,
+            timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
         )  # fmt: skip
         assert out.stdout.strip().endswith("1.0"), out.stderr[-2000:]
+        import psutil
+
+        started = [" ".join(p.cmdline()) for p in psutil.Process(head.proc.pid).children(True)]
+        assert any("gcs_server" in c for c in started), started
+        assert not any("log_monitor" in c for c in started), started
     finally:
         head.stop()
