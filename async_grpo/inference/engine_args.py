@@ -3,6 +3,7 @@ scheduler's, and LoRA serving."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import sys
@@ -69,6 +70,7 @@ def lora_engine_args(adapters: AdapterServing | None) -> dict[str, Any]:
 # built (Ray's). Set only while the engine starts; the at-fork hook is registered once.
 _INHERITED: dict[int, int] = {}
 _HOOKED: list[bool] = []
+PR_SET_NAME = 15  # prctl: the process's short name (15 bytes)
 
 
 @contextmanager
@@ -110,11 +112,13 @@ def _close_inherited() -> None:
             os.close(fd)
     _INHERITED.clear()
     # vLLM names its engine core with the setproctitle package, which cannot rename a
-    # process Ray has renamed; Ray's own call can (ps, psutil and the OOM log show it)
+    # process Ray has renamed: its command line through Ray's own call, its short name
+    # (what psutil, top and the OOM killer's log show) through the kernel
+    title = f"{os.environ.get('VLLM_PROCESS_NAME_PREFIX', 'VLLM')}::EngineCore"
     raylet = sys.modules.get("ray._raylet")
     if raylet is not None:
-        prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM")
-        raylet.setproctitle(f"{prefix}::EngineCore")
+        raylet.setproctitle(title)
+    ctypes.CDLL(None).prctl(PR_SET_NAME, title.encode()[:15], 0, 0, 0)
 
 
 def _sockets() -> dict[int, int]:
