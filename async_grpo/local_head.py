@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import async_grpo.ray_utils  # noqa: F401  (token auth as every joining process has it)
+
 HEAD_START_TIMEOUT_S = 120.0
 
 
@@ -75,7 +77,6 @@ class LocalHead:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            env={**os.environ, "RAY_AUTH_MODE": "disabled"},  # as every process joins (ray_utils)
         )
         self.address = f"127.0.0.1:{self.port}"
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
