@@ -10,6 +10,12 @@ engine process that receives weights starts a small watcher process that SIGKILL
 (nothing to hang on) as soon as the actor is gone. The watcher is a process, not a thread:
 an engine stuck in a C call that holds the GIL (seen: a shutdown hung in a process-group
 destructor) would starve a thread.
+
+The watcher runs in a session of its own and ignores the polite stop signals. Ray puts each
+worker in a process group of its own and, once the worker is gone, sends SIGTERM to the
+whole group: a watcher in that group would die by it, while the engine it watches may hang
+in the shutdown that SIGTERM starts. Only the watcher's own two exits end it: the engine
+gone, or the engine killed.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ def exit_with_owner(poll_s: float = 0.5) -> bool:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         close_fds=True,
+        start_new_session=True,  # out of the owner's process group: a group SIGTERM misses it
     )
     return True
 
@@ -72,4 +79,6 @@ def watch(owner: int, engine: int, poll_s: float) -> None:
 
 
 if __name__ == "__main__":  # the watcher process
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_IGN)
     watch(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))

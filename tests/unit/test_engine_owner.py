@@ -3,7 +3,9 @@ real processes: an owner spawns an "engine" that ignores SIGTERM and sleeps, as 
 engine core would; the owner is SIGKILLed; the engine must be gone within seconds, also
 while it is stuck in a C call that holds the GIL (a regex here; in a CI run, an engine
 core's shutdown hung in a process-group destructor), which a watcher thread could not
-survive. Without the watcher the engine outlives its owner (so the test tells them apart)."""
+survive. Without the watcher the engine outlives its owner (so the test tells them apart).
+The owner leads a process group of its own and the whole group gets SIGTERM after it dies,
+as Ray does to a dead worker's group: the watcher must not die by it."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import pytest
 ENGINE = """
 import os, re, signal, sys, time
 from async_grpo.inference.owner import exit_with_owner
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if sys.argv[1].startswith("watch"):
-    assert exit_with_owner(poll_s=0.1)
+    assert exit_with_owner(poll_s=1.0)  # the group's SIGTERM comes first
+# after the watcher starts, which would inherit an ignored signal (vLLM's handler it would not)
+signal.signal(signal.SIGTERM, lambda *_: None)
 print(os.getpid(), flush=True)
 if sys.argv[1] == "watch-busy":  # stuck in C holding the GIL: no thread of it would run
     re.match(r"(a+)+$", "a" * 34 + "b")
@@ -42,12 +45,18 @@ def _engine_under_a_killed_owner(mode: str) -> tuple[int, bool]:
     from async_grpo.inference.owner import alive
 
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, ENGINE, mode], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", OWNER, ENGINE, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own, as Ray starts each worker
     )
     engine = int(owner.stdout.readline())
     assert alive(engine)
+    time.sleep(0.5)  # the watcher is up (it ignores SIGTERM once its interpreter runs)
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait(timeout=30)
+    os.killpg(owner.pid, signal.SIGTERM)  # Ray's sweep of a dead worker's process group
+    assert alive(engine)  # it ignores SIGTERM, as an engine hung in its shutdown would
     deadline = time.monotonic() + 5
     while alive(engine) and time.monotonic() < deadline:
         time.sleep(0.05)
