@@ -3,7 +3,13 @@ scheduler's, and LoRA serving."""
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +65,85 @@ def lora_engine_args(adapters: AdapterServing | None) -> dict[str, Any]:
         "max_loras": adapters.slots,
         "max_cpu_loras": adapters.slots,
     }
+
+
+# sockets a forked engine core closes: those its worker had open before the engine was
+# built (Ray's), and the worker's pid. Set only while the engine starts; the at-fork hook
+# is registered once.
+_INHERITED: dict[int, int] = {}
+_WORKER: list[int] = []
+_HOOKED: list[bool] = []
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent ends
+PR_SET_NAME = 15  # prctl: the process's short name (15 bytes)
+
+
+@contextmanager
+def forked_engine_core(device: str) -> Iterator[None]:
+    """On CPU, vLLM's engine-core process is forked from the worker, not spawned.
+
+    vLLM spawns it in any Ray actor (`vllm.utils.system_utils._maybe_force_spawn`), so the
+    new process imports vLLM and torch again: most of an engine start's CPU on 2 cores
+    (docs/engine-processes.md). The worker has imported them already; a fork shares them.
+    The fork copies the actor's sockets to Ray (its raylet, its gRPC server, the GCS): the
+    child closes those, so an actor that dies is seen dead at once, not when its engine
+    ends. The child also copies the state of the actor's other threads (Ray's), locks held
+    included, and its shutdown may hang on one of them: so the kernel SIGKILLs it the
+    moment its actor ends (the fork runs on the actor's event-loop thread, which lives as
+    long as the actor), before any SIGTERM reaches it. GPU workers keep vLLM's spawn (CUDA
+    cannot be forked)."""
+    if device != "cpu":
+        yield
+        return
+    import vllm.v1.engine.utils as engine_utils
+
+    if not _HOOKED:
+        os.register_at_fork(after_in_child=_close_inherited)
+        _HOOKED.append(True)
+    _INHERITED.update(_sockets())
+    _WORKER[:] = [os.getpid()]
+    spawning = engine_utils.get_mp_context
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = spawning
+        _INHERITED.clear()
+        _WORKER.clear()
+
+
+def _close_inherited() -> None:
+    """In a child just forked: end with the worker, close its sockets to Ray, and take
+    vLLM's name for the engine core (nothing outside an engine's start)."""
+    if not _INHERITED:
+        return
+    libc = ctypes.CDLL(None)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != _WORKER[0]:  # the worker ended before the line above
+        os._exit(1)
+    now = _sockets()
+    for fd, inode in _INHERITED.items():
+        if now.get(fd) == inode:
+            os.close(fd)
+    _INHERITED.clear()
+    _WORKER.clear()
+    # vLLM names its engine core with the setproctitle package, which cannot rename a
+    # process Ray has renamed: its command line through Ray's own call, its short name
+    # (what psutil, top and the OOM killer's log show) through the kernel
+    title = f"{os.environ.get('VLLM_PROCESS_NAME_PREFIX', 'VLLM')}::EngineCore"
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:
+        raylet.setproctitle(title)
+    libc.prctl(PR_SET_NAME, title.encode()[:15], 0, 0, 0)
+
+
+def _sockets() -> dict[int, int]:
+    """fd -> inode of this process's open sockets."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the listing's own descriptor, or one closed meanwhile
+        if target.startswith("socket:["):
+            out[int(name)] = int(target[8:-1])
+    return out

@@ -30,7 +30,11 @@ import torch
 from async_grpo.config import GenerationConfig
 from async_grpo.faults import fault_point
 from async_grpo.inference.adapter_versions import AdapterVersions
-from async_grpo.inference.engine_args import cpu_scheduler_args, lora_engine_args
+from async_grpo.inference.engine_args import (
+    cpu_scheduler_args,
+    forked_engine_core,
+    lora_engine_args,
+)
 from async_grpo.inference.owner import claim_engine_processes
 from async_grpo.inference.push_kinds import PushKind, kind_of_folder, push_kind
 from async_grpo.inference.types import (
@@ -117,7 +121,8 @@ class GenerationWorker(RegisteredWorker):
             # in the run's folder in /dev/shm, which the run sweeps however this worker ends
             self.lora = AdapterVersions(Path(new_entry(f"adapters-{self.worker_id}")))
         claim_engine_processes()  # they end with this actor, however it ends
-        self.engine = AsyncLLM.from_engine_args(args)
+        with forked_engine_core(self.device):
+            self.engine = AsyncLLM.from_engine_args(args)
         self._engine_watch = asyncio.get_running_loop().create_task(self._watch_engine())
         (self.weight_reload,) = set(await self.engine.collective_rpc("async_grpo_reload_kind"))
         print(f"{self.worker_id}: weight updates load {self.weight_reload}", flush=True)

@@ -1,8 +1,11 @@
 """How `async-grpo run` starts and cleans up, in pieces: the engine's process layout, the
 ranks' wait for the pools, the run's files in /dev/shm."""
 
+import ctypes
+import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.config import GenerationConfig
-from async_grpo.inference.engine_args import vllm_env
+from async_grpo.inference.engine_args import forked_engine_core, vllm_env
 from async_grpo.run import POOLS_READY_ENV, wait_for_pools
 from async_grpo.shm_files import (
     RUN_ID_ENV,
@@ -32,6 +35,60 @@ def test_unbound_engines_run_the_model_in_the_engine_core(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # vLLM binds in its worker only
     assert vllm_env(GenerationConfig(), "cpu")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(GenerationConfig(), "cuda")
+
+
+def _child_view(ctx, fd: int) -> str:
+    """In a child of `ctx`: whether the socket at `fd` is still open there (the number may
+    be taken again: multiprocessing opens /dev/null), the child's name and the signal it
+    gets when its parent ends."""
+    inode = os.fstat(fd).st_ino
+
+    def look(w):
+        try:
+            state = "open" if os.fstat(fd).st_ino == inode else "closed"
+        except OSError:
+            state = "closed"
+        dies_with = ctypes.c_int()
+        ctypes.CDLL(None).prctl(2, ctypes.byref(dies_with), 0, 0, 0)  # PR_GET_PDEATHSIG
+        comm = Path("/proc/self/comm").read_text().strip()
+        os.write(w, f"{state} {comm} {dies_with.value}".encode())
+
+    r, w = os.pipe()
+    child = ctx.Process(target=look, args=(w,))
+    child.start()
+    child.join(30)
+    os.close(w)
+    seen = os.read(r, 200).decode()
+    os.close(r)
+    return seen
+
+
+def test_a_cpu_engine_core_is_forked_and_closes_the_workers_sockets():
+    """vLLM spawns its engine core in a Ray actor, importing vLLM again; on CPU the worker
+    forks it instead (docs/engine-processes.md). The patch is on the name vLLM's process
+    manager calls: if vLLM renames it, this fails rather than the fork silently ending.
+    The child closes the sockets the worker had open (Ray's), takes vLLM's name and is
+    SIGKILLed by the kernel when the worker ends."""
+    import inspect
+
+    import ray._raylet  # noqa: F401  (Ray's own retitle, as in an actor)
+    import vllm.v1.engine.utils as engine_utils
+
+    assert "get_mp_context()" in inspect.getsource(engine_utils.CoreEngineProcManager.__init__)
+    vllms = engine_utils.get_mp_context  # spawn in a Ray actor
+    with socket.socket() as ray_like:
+        with forked_engine_core("cpu"):
+            ctx = engine_utils.get_mp_context()
+            assert ctx.get_start_method() == "fork"
+            seen = _child_view(ctx, ray_like.fileno())
+            assert seen == f"closed VLLM::EngineCor {int(signal.SIGKILL)}"
+        assert engine_utils.get_mp_context is vllms
+        # after the engine's start, the hook is idle: other forks keep their sockets
+        fork = multiprocessing.get_context("fork")
+        seen = _child_view(fork, ray_like.fileno())
+        assert seen.startswith("open ") and seen.endswith(" 0"), seen
+        with forked_engine_core("cuda"):
+            assert engine_utils.get_mp_context is vllms
 
 
 def test_a_rank_started_by_hand_does_not_wait(monkeypatch):
