@@ -89,15 +89,15 @@ def forked_engine_core(device: str) -> Iterator[None]:
     ends. The child also copies the state of the actor's other threads (Ray's), locks held
     included, and its shutdown may hang on one of them: so the kernel SIGKILLs it the
     moment its actor ends (the fork runs on the actor's event-loop thread, which lives as
-    long as the actor), before any SIGTERM reaches it. GPU workers keep vLLM's spawn (CUDA
-    cannot be forked)."""
+    long as the actor), whatever a SIGTERM from Ray, which can come a moment earlier, has
+    started. GPU workers keep vLLM's spawn (CUDA cannot be forked)."""
     if device != "cpu":
         yield
         return
     import vllm.v1.engine.utils as engine_utils
 
     if not _HOOKED:
-        os.register_at_fork(after_in_child=_close_inherited)
+        os.register_at_fork(after_in_child=_in_forked_core)
         _HOOKED.append(True)
     _INHERITED.update(_sockets())
     _WORKER[:] = [os.getpid()]
@@ -111,7 +111,7 @@ def forked_engine_core(device: str) -> Iterator[None]:
         _WORKER.clear()
 
 
-def _close_inherited() -> None:
+def _in_forked_core() -> None:
     """In a child just forked: end with the worker, close its sockets to Ray, and take
     vLLM's name for the engine core (nothing outside an engine's start)."""
     if not _INHERITED:
