@@ -90,6 +90,23 @@ def test_64_concurrent_requests_split_across_both_workers(workers, prompts, toke
     assert sum(served) >= 64 and min(served) >= 16, served  # least-loaded split
 
 
+def test_the_auto_dtype_scores_its_greedy_answer_as_the_trainer(workers, smollm2_dir, tokenizer):
+    """In this machine's `auto` dtype (bf16 only where native) the engine's log-probs of its
+    own greedy completion stay within that dtype's rounding of the fp32 trainer's."""
+    import ray
+    from _logprobs import trainer_logprobs
+
+    from async_grpo.precision import resolve_dtype
+
+    dtype = resolve_dtype("auto", "cpu").dtype
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    (out,) = ray.get(workers[0].generate.remote(ids, 1, SamplingSettings(16, temperature=0.0)))
+    gap = (trainer_logprobs(smollm2_dir, ids, out.token_ids) - torch.tensor(out.logprobs)).abs()
+    tol = 2e-3 if dtype == "float32" else 0.25  # bf16: 8 mantissa bits through 30 layers
+    assert gap.mean() < tol / 2 and gap.max() < 2 * tol, (dtype, gap.max())
+
+
 def test_checkpoint_load_changes_output_and_restore_is_exact(
     workers, prompts, smollm2_dir, tmp_path
 ):
