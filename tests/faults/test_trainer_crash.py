@@ -1,10 +1,11 @@
 """A trainer rank killed mid-step (after its forward/backward, before the optimizer step)
-of a run one step off-policy on 2 ranks, with several optimizer updates per batch: `async-grpo run` ends with one line saying how to
-resume and leaves no process; `async-grpo run ... --resume` continues from the last
-checkpoint (step 3) and trains step 4 on exactly the groups generated before the crash
-(kept in the checkpoint) instead of generating them again; the metrics file holds each
-step once and the books of every step balance. (That a resumed run computes the same
-losses as an uninterrupted one: tests/integration/test_training_loop.py.)"""
+of a run one step off-policy on 2 ranks, with several optimizer updates per batch and
+in-flight weight updates: `async-grpo run` ends with one line saying how to resume and
+leaves no process; `async-grpo run ... --resume` continues from the last checkpoint
+(step 3) and trains step 4 on exactly the groups generated before the crash (kept in the
+checkpoint) instead of generating them again; the metrics file holds each step once and
+the books of every step balance. (That a resumed run computes the same losses as an
+uninterrupted one: tests/integration/test_training_loop.py.)"""
 
 import json
 import re
@@ -16,12 +17,13 @@ from _faults import assert_all_gone, assert_books, finish, fired, rows, start
 pytestmark = pytest.mark.faults
 # several optimizer updates per batch: 2 parts of one group each, 2 passes (docs/loss.md)
 UPDATES = ("trainer.mini_batches=2", "trainer.epochs=2")
+IN_FLIGHT = "generation.weight_update=in_flight"  # a push does not wait for started steps
 
 
 @pytest.fixture(scope="module")
 def crashed_then_resumed(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("crash")
-    cmd = loop_command(tiny_model_dir, out, 4, *ASYNC, *UPDATES)
+    cmd = loop_command(tiny_model_dir, out, 4, *ASYNC, *UPDATES, IN_FLIGHT)
     proc, tag = start(cmd, out, "trainer.step@4")  # step 4's forward/backward
     crashed = finish(proc, out)
     crash = {"code": proc.returncode, "console": crashed, "steps": [r["step"] for r in rows(out)]}
@@ -73,3 +75,14 @@ def test_async_steps_train_on_one_step_stale_samples(crashed_then_resumed):
     assert not any(k.startswith("dropped/") and v for m in steps for k, v in m.items())
     # 4 updates a step (2 parts, 2 passes), one push: the first update is not clipped
     assert all(m["updates"] == 4 and m["clip_fraction/first_update"] == 0 for m in steps)
+
+
+def test_in_flight_updates_train_every_step_within_the_bound(crashed_then_resumed):
+    """`generation.weight_update: in_flight`: pushes do not wait for the steps already
+    started (no `time/wait_generated` except before the saves at steps 3 and 4), and the
+    staleness bound holds for every sample's oldest token, resumed or not."""
+    *_, steps = crashed_then_resumed
+    assert ["time/wait_generated" in m for m in steps] == [False, False, True, True]
+    assert all(m["staleness/max"] <= 1 for m in steps)
+    assert all(m["staleness/token_mean"] <= m["staleness/mean"] + 1e-9 for m in steps)
+    assert all(m.get("worker_prefix_reset_failures", 0) == 0 for m in steps)
