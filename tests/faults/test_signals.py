@@ -3,7 +3,9 @@ run behind (counted by a tag every process of the run inherits): no raylet, no e
 rank; and no file in /dev/shm: the runs push LoRA adapters, so the generation worker serves
 them from folders there beside the trainer's weight slots. The first three stop it like
 Ctrl-C (exit 128 + the signal); after SIGKILL the watchdog beside the head kills the
-head's and the trainer's groups and removes the run's folder in /dev/shm."""
+head's and the trainer's groups and removes the run's folder in /dev/shm. SIGKILL runs by
+default; SIGTERM by default stops the run whose workers die (test_pool_faults.py, one sweep
+of the run's folder whatever its entries), and here with Ctrl-C and SIGHUP in `-m slow`."""
 
 import signal
 import time
@@ -32,7 +34,9 @@ pytestmark = pytest.mark.faults
         pytest.param(  # KeyboardInterrupt, caught where SIGTERM's Stopped(KeyboardInterrupt) is
             signal.SIGINT, 130, "interrupted: stopping", marks=pytest.mark.slow
         ),
-        (signal.SIGTERM, 143, "stopped by SIGTERM: stopping"),
+        pytest.param(  # by default on the run whose workers die: test_pool_faults.py
+            signal.SIGTERM, 143, "stopped by SIGTERM: stopping", marks=pytest.mark.slow
+        ),
         pytest.param(  # the SIGTERM handler, another number: kept for the slow run
             signal.SIGHUP, 129, "stopped by SIGHUP: stopping", marks=pytest.mark.slow
         ),
