@@ -310,7 +310,10 @@ def test_a_resume_with_other_lora_settings(tmp_path, saved, overrides, words):
 
 
 # Bad rows in the forms the `datasets` library reads (docs/data.md): each a real file, read
-# by the real command, refused before Ray in one line naming the file, the row and the column
+# by the real command, refused before Ray in one line naming the file, the row and the column.
+# A row the same check refuses in another form (a wrong type, no user turn, messages as
+# plain text, a prompt too long, a hub name) is refused in process by
+# unit/test_data_forms.py::test_each_row_is_checked: the one-line door is the same
 def _parquet(path, rows):
     from datasets import Dataset
 
@@ -324,7 +327,6 @@ BAD_ROWS = [
         [],
         ["d.parquet:1: column 'input': missing (dataset.prompt_key", "question"],
     ),
-    ("d.parquet", [{"input": 7, "answer": "2"}], [], [":1: column 'input': expected a string"]),
     ("d.csv", b"input,answer\n1 + 1,2\n  ,3\n", [], ["d.csv:2: column 'input': empty prompt"]),
     ("d.csv", b"input,answer\n1 + 1,2\ncaf\xe9,3\n", [], ["d.csv:3: not UTF-8: byte 0xe9"]),
     (
@@ -332,24 +334,6 @@ BAD_ROWS = [
         b'{"input": "a", "answer": 1}\n{"input": {"text": "b"}, "answer": {"x": [1]}}\n',
         [],
         ["d.jsonl:2: column 'input': expected a string or a list of {role, content}", "dict"],
-    ),
-    (
-        "d.parquet",
-        [{"m": [{"role": "system", "content": "Add."}], "answer": "2"}],
-        ["dataset.prompt_key=m"],
-        ["d.parquet:1: column 'm': no user turn"],
-    ),
-    (
-        "d.parquet",
-        [{"m": [{"role": "user", "content": "1 + 1"}], "answer": "2"}],
-        ["dataset.prompt_key=m", "prompt_format=plain", "eval.data=null"],
-        ["d.parquet:1: column 'm': a list of messages needs prompt_format: chat"],
-    ),
-    (
-        "d.parquet",
-        [{"input": "1 + 1", "answer": "2"}, {"input": "word " * 2000, "answer": "2"}],
-        [],
-        ["d.parquet:2: column 'input':", "prompt tokens leave no room"],
     ),
     (
         "d.parquet",
@@ -363,17 +347,7 @@ BAD_ROWS = [
 @pytest.mark.parametrize(
     "name, content, overrides, words",
     BAD_ROWS,
-    ids=[
-        "missing-column",
-        "wrong-type",
-        "empty-prompt",
-        "csv-bad-bytes",
-        "json-odd-types",
-        "no-user-turn",
-        "messages-plain",
-        "too-long",
-        "map-error",
-    ],
+    ids=["missing-column", "empty-prompt", "csv-bad-bytes", "json-odd-types", "map-error"],
 )
 def test_bad_rows_in_any_form(tmp_path, name, content, overrides, words):
     path = tmp_path / name
@@ -390,10 +364,6 @@ def test_bad_rows_in_any_form(tmp_path, name, content, overrides, words):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     _refused(r, str(tmp_path), *words)
-
-
-def test_a_hub_name_with_no_local_copy(tmp_path):
-    _refused(_run(tmp_path, "data=openai/gsm8k"), "openai/gsm8k", "no hub access", "local")
 
 
 def test_the_train_command_refuses_what_run_refuses(tmp_path):
