@@ -26,7 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_ENGINES = {
     "test_environment_pool.py",
     "test_inference_pools.py",
-    "test_models.py",
     "test_weight_transports.py",
 }
 # The longest files and groups (docs/testing.md), handed out first: a long one started last
