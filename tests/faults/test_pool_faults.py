@@ -58,8 +58,9 @@ def test_dead_workers_are_replaced_and_every_sample_accounted_for(tiny_model_dir
     assert "stopped by SIGTERM: stopping" in out, out[-4000:]
     assert "Traceback" not in out and "SIGTERM received" not in out, out[-4000:]
     assert fired(tmp_path) == sorted(FAULTS)
-    assert_books(rows(tmp_path))  # the steps it finished closed their books, the sixth too
-    steps = rows(tmp_path)[:5]
+    finished = rows(tmp_path)
+    assert_books(finished)  # the steps it finished closed their books, a sixth too
+    steps = finished[:5]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     last = steps[-1]
     assert last["pool/generation/restarts"] == 2

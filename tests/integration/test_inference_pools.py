@@ -94,15 +94,16 @@ def test_the_auto_dtype_scores_its_greedy_answer_as_the_trainer(workers, smollm2
     """In this machine's `auto` dtype (bf16 only where native) the engine's log-probs of its
     own greedy completion stay within that dtype's rounding of the fp32 trainer's."""
     import ray
-    from _logprobs import trainer_logprobs
+    from _logprobs import FRANCE, trainer_logprobs
+    from transformers import AutoModelForCausalLM
 
     from async_grpo.precision import resolve_dtype
 
     dtype = resolve_dtype("auto", "cpu").dtype
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, return_dict=False)
     (out,) = ray.get(workers[0].generate.remote(ids, 1, SamplingSettings(16, temperature=0.0)))
-    gap = (trainer_logprobs(smollm2_dir, ids, out.token_ids) - torch.tensor(out.logprobs)).abs()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    gap = (trainer_logprobs(model, ids, out.token_ids) - torch.tensor(out.logprobs)).abs()
     tol = 2e-3 if dtype == "float32" else 0.25  # bf16: 8 mantissa bits through 30 layers
     assert gap.mean() < tol / 2 and gap.max() < 2 * tol, (dtype, gap.max())
 

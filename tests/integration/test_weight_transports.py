@@ -93,21 +93,18 @@ def _scored(policy: torch.nn.Module, prompt: list[int], completion: list[int]) -
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def test_an_fp32_engine_answers_and_scores_as_the_trainer(workers, smollm2_dir, tokenizer):
-    """Before any push, in fp32 on every CPU kind: the engine's greedy answer names Paris
-    and its per-token log-probs equal the trainer's (transformers, packed) for the same
-    tokens. (A bf16 greedy answer is a near tie on some CPUs: "Paris" vs "L'Étoile"
-    flipped by rounding, first-token log-probs -1.88 vs -1.83.)"""
+def test_an_fp32_engine_answers_and_scores_as_the_trainer(workers, policy, tokenizer):
+    """Before any push (the policy is still SmolLM2 as loaded), in fp32 on every CPU kind:
+    the engine's greedy answer names Paris and its per-token log-probs equal the trainer's
+    (transformers, packed) for the same tokens. (A bf16 greedy answer is a near tie on some
+    CPUs: "Paris" vs "L'Étoile" flipped by rounding, first-token log-probs -1.88 vs -1.83.)"""
     import ray
-    from _logprobs import trainer_logprobs
+    from _logprobs import FRANCE, trainer_logprobs
 
     ids = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, return_dict=False)
     (out,) = ray.get(workers[0].generate.remote(ids, 1, SamplingSettings(16, temperature=0.0)))
     assert "Paris" in out.text and len(out.logprobs) == len(out.token_ids) > 0
-    hf = trainer_logprobs(smollm2_dir, ids, out.token_ids)
+    hf = trainer_logprobs(policy.hf, ids, out.token_ids)
     assert (hf - torch.tensor(out.logprobs)).abs().max() < 2e-3
 
 
