@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -340,18 +341,38 @@ def test_late_joiner_loads_the_checkpoint_then_the_next_push(
 def test_the_push_timeout_holds_per_chunk_not_for_the_whole_push(workers, pusher, policy):
     """A worker ends a push that stops arriving (its weights would be half loaded), but the
     wait is for each next call of the push: a push longer than the timeout whose chunks
-    each come in time reaches every worker, and none of them ends."""
+    each come in time reaches every worker, and none of them ends.
+
+    The trainer's side is slowed before each chunk (as a slow gather from other ranks would
+    be), so the push outlasts the timeout by a margin that no machine's speed changes, while
+    each chunk still comes seconds inside it."""
     import ray
 
     version = int(ray.get(workers[0].ping.remote())["version"]) + 1
-    whole = pusher.push(version)["time/weight_push"]
-    pusher.timeout_s = max(0.6 * whole, 0.4)  # shorter than the push, far above a chunk
+    if not pusher.chunks:  # run alone: the first push plans them
+        pusher.push(version)
+        version += 1
+    timeout_s, chunks = 3.0, pusher.chunks
+    delay_s = 1.6 * timeout_s / len(chunks)  # the chunks' gaps sum past the timeout
+    firsts = {chunk[0] for chunk in chunks}
+    wire_tensor = pusher._wire_tensor
+
+    def slow_gather(i: int) -> torch.Tensor:
+        if i in firsts:
+            time.sleep(delay_s)
+        return wire_tensor(i)
+
+    pusher.timeout_s, pusher._wire_tensor = timeout_s, slow_gather
     try:
         _perturb(policy, 3)
-        timings = pusher.push(version + 1)
+        timings = pusher.push(version)
     finally:
         pusher.timeout_s = 120.0
-    print(f"push {timings['time/weight_push']:.2f}s, timeout {0.6 * whole:.2f}s")
+        del pusher._wire_tensor
+    print(
+        f"push {timings['time/weight_push']:.2f}s, timeout {timeout_s:.2f}s, {len(chunks)} chunks"
+    )
+    assert timings["time/weight_push"] > timeout_s
     assert timings["weight_push_lost_workers"] == 0
     pings = ray.get([w.ping.remote() for w in workers], timeout=60)
-    assert [p["version"] for p in pings] == [version + 1] * 2
+    assert [p["version"] for p in pings] == [version] * 2
