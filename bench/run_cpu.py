@@ -2,14 +2,15 @@
 model, 2 gloo ranks, KL on, one group of 6 a step, 4 steps), alone, with every process it
 starts sampled from /proc every 0.3 s.
 
-    .venv/bin/python bench/run_cpu.py [--steps 4] [--repeats 1] [--out /tmp/run-cpu]
+    .venv/bin/python bench/run_cpu.py [--steps 4] [--repeats 1] [--out /tmp/run-cpu] [KEY=VALUE ...]
 
 The README's test command is CPU-bound on 2 cores (both busy from start to end), so what a
 whole run costs the suite is its CPU seconds, not its wall time. Prints, per repeat, one
 JSON line: the wall time, the CPU seconds of all the run's processes, those of each kind of
 process (the run command, Ray's own processes, the registries, each pool's workers, the
 engine-core process, torchrun and its ranks, the batcher), when each kind first appeared,
-and the CPU kind. Processes that live shorter than a sample are not seen (a few tenths of
+and the CPU kind. `KEY=VALUE` overrides go after the loop run's own (e.g.
+`trainer.num_ranks=1`, what one rank fewer saves). Processes that live shorter than a sample are not seen (a few tenths of
 a second in all).
 """
 
@@ -74,7 +75,7 @@ def _processes() -> dict[tuple[int, int], tuple[float, str, str]]:
     return out
 
 
-def measure(model: Path, steps: int, out: Path) -> dict[str, object]:
+def measure(model: Path, steps: int, out: Path, extra: list[str]) -> dict[str, object]:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "async_grpo.cli", "run", str(REPO / "configs" / "quickstart.yaml")]
     cmd += [
@@ -84,7 +85,7 @@ def measure(model: Path, steps: int, out: Path) -> dict[str, object]:
         "batcher.max_off_policy_steps=0", "batcher.max_tokens_per_gpu=512",
         "generation.max_model_len=512", "generation.max_new_tokens=24",
         "generation.dtype=float32", "trainer.save_every=3",
-        "verifier.rewards=[rewards_for_tests:vowel_share]",
+        "verifier.rewards=[rewards_for_tests:vowel_share]", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     before = set(_processes())
@@ -117,6 +118,7 @@ def measure(model: Path, steps: int, out: Path) -> dict[str, object]:
         "cpu_s_by_kind": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda x: -x[1])},
         "first_seen_s": {k: round(v, 1) for k, v in sorted(starts.items(), key=lambda x: x[1])},
         "steps": steps,
+        "overrides": extra,
         "cpu_kind": torch.backends.cpu.get_cpu_capability(),
         "cores": len(os.sched_getaffinity(0)),
     }
@@ -127,6 +129,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("/tmp/run-cpu"))
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="after the loop run's own")
     args = p.parse_args()
     from async_grpo.models import make_tiny_model, prepare_smollm2
 
@@ -134,7 +137,7 @@ def main() -> None:
     if not (model / "config.json").is_file():
         make_tiny_model(model, tokenizer_from=prepare_smollm2())
     for i in range(args.repeats):
-        print(json.dumps(measure(model, args.steps, args.out / f"run{i}")), flush=True)
+        print(json.dumps(measure(model, args.steps, args.out / f"run{i}", args.overrides)), flush=True)
 
 
 if __name__ == "__main__":
