@@ -1,8 +1,9 @@
 """Bad input to `async-grpo run`, through the real command: each is refused before Ray
-starts, with exit code 2 and one line naming what, where and what was expected."""
+starts, with exit code 2 and one line naming what, where and what was expected. Where one
+kind of refusal has several cases, one goes through the command and the others through the
+command's own checks in this process (`_refused_here`)."""
 
 import json
-import os
 import shutil
 import subprocess
 
@@ -22,6 +23,25 @@ def _refused(r, *words):
     assert len(lines) == 1, r.stderr[-3000:]
     for word in words:
         assert word in lines[0], lines[0]
+
+
+def _refused_here(tmp_path, overrides, *words, resume=None):
+    """What `_run` refuses, checked in this process: the same `load_config` and
+    `checked_before_ray` as the command, whose door for the error (one line, exit 2) the
+    case of the same kind through the real command checks. A command's start imports torch
+    and transformers (about 5 s); here they are loaded already."""
+    from async_grpo.errors import UserError
+    from async_grpo.preflight import checked_before_ray
+    from async_grpo.preflight.settings import load_config
+
+    config = str(REPO / "configs" / "arithmetic.yaml")
+    with pytest.raises(UserError) as refused:
+        cfg = load_config(config, [f"output_dir={tmp_path / 'out'}", *overrides])
+        checked_before_ray(cfg, "run", resume=resume)
+    line = str(refused.value)
+    assert refused.value.exit_code == 2 and "\n" not in line, line
+    for word in words:
+        assert word in line, line
 
 
 @pytest.mark.parametrize(
@@ -220,7 +240,10 @@ SURROGATE = b'{"input": "2 + 2", "answer": "4"}\n{"input": "x", "answer": "\\ud8
 def test_data_that_is_not_unicode(tmp_path, key, content, words):
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(content)
-    _refused(_run(tmp_path, f"{key}={path}"), str(path), *words)
+    if key == "data":  # through the command; the held-out file in this process
+        _refused(_run(tmp_path, f"{key}={path}"), str(path), *words)
+    else:
+        _refused_here(tmp_path, [f"{key}={path}"], str(path), *words)
 
 
 @pytest.mark.parametrize(
@@ -258,9 +281,14 @@ def test_files_of_the_other_commands_that_are_not_utf8(tmp_path):
 )
 def test_lora_targets_outside_the_decoder_layers(tmp_path, targets, named):
     """An adapter on the LM head would never train (the trainer's chunked head multiplies
-    by the base weight), one on the embedding failed to load after Ray had started."""
-    r = _run(tmp_path, "trainer.lora.rank=8", f"trainer.lora.target_modules=[{targets}]")
-    _refused(r, f"trainer.lora.target_modules: {named} ", "only the decoder layers' linear")
+    by the base weight), one on the embedding failed to load after Ray had started. (The
+    head through the command, the embedding in this process.)"""
+    overrides = ["trainer.lora.rank=8", f"trainer.lora.target_modules=[{targets}]"]
+    words = (f"trainer.lora.target_modules: {named} ", "only the decoder layers' linear")
+    if targets == "lm_head":
+        _refused(_run(tmp_path, *overrides), *words)
+    else:
+        _refused_here(tmp_path, overrides, *words)
 
 
 def test_a_new_run_refuses_an_output_dir_with_checkpoints(tmp_path):
@@ -300,17 +328,17 @@ def test_a_resume_with_other_lora_settings(tmp_path, saved, overrides, words):
     step.mkdir(parents=True)
     (step / "trainer_state.json").write_text(json.dumps({"step": 2, "lora": saved}))
     (step.parent / "latest").write_text("step_2")
-    r = subprocess.run(
-        [*run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}", *overrides), "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    _refused(r, "--resume", str(step), *words)
+    if saved is not None and overrides:  # through the command; the other kinds in this process
+        cmd = run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}", *overrides)
+        r = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=120)
+        _refused(r, "--resume", str(step), *words)
+    else:
+        _refused_here(tmp_path, overrides, "--resume", str(step), *words, resume="latest")
 
 
-# Bad rows in the forms the `datasets` library reads (docs/data.md): each a real file, read
-# by the real command, refused before Ray in one line naming the file, the row and the column.
+# Bad rows in the forms the `datasets` library reads (docs/data.md): each a real file,
+# refused before Ray in one line naming the file, the row and the column; the first through
+# the real command, the others by the command's own checks in this process (`_refused_here`).
 # A row the same check refuses in another form (a wrong type, no user turn, messages as
 # plain text, a prompt too long, a hub name) is refused in process by
 # unit/test_data_forms.py::test_each_row_is_checked: the one-line door is the same
@@ -349,7 +377,7 @@ BAD_ROWS = [
     BAD_ROWS,
     ids=["missing-column", "empty-prompt", "csv-bad-bytes", "json-odd-types", "map-error"],
 )
-def test_bad_rows_in_any_form(tmp_path, name, content, overrides, words):
+def test_bad_rows_in_any_form(tmp_path, monkeypatch, name, content, overrides, words):
     path = tmp_path / name
     if isinstance(content, bytes):
         path.write_bytes(content)
@@ -358,12 +386,13 @@ def test_bad_rows_in_any_form(tmp_path, name, content, overrides, words):
     (tmp_path / "bad_map.py").write_text(
         "def answer_as_int(row):\n    return {'prompt': row['input'], 'answer': int(row['answer'])}\n"
     )
-    cmd = run_command(
-        "arithmetic.yaml", f"output_dir={tmp_path / 'out'}", f"data={path}", *overrides
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    _refused(r, str(tmp_path), *words)
+    if name == "d.parquet" and not overrides:  # through the command; the others in this process
+        cmd = run_command("arithmetic.yaml", f"output_dir={tmp_path / 'out'}", f"data={path}")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        _refused(r, str(tmp_path), *words)
+    else:
+        monkeypatch.syspath_prepend(str(tmp_path))  # bad_map
+        _refused_here(tmp_path, [f"data={path}", *overrides], str(tmp_path), *words)
 
 
 def test_the_train_command_refuses_what_run_refuses(tmp_path):
