@@ -238,12 +238,10 @@ class EpisodeRunner:
 
 def turn_format(cfg: RunConfig) -> TurnFormat:
     """The run's TurnFormat, from the model's tokenizer and the ids its engine stops on."""
-    from transformers import AutoTokenizer
-
-    from async_grpo.models import resolve_model
+    from async_grpo.models import load_tokenizer, resolve_model
 
     model_dir = resolve_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     return TurnFormat(tokenizer, cfg.environment.max_observation_tokens, stop_ids(model_dir))
 
 

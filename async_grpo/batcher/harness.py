@@ -100,11 +100,9 @@ class HarnessRunner:
     @classmethod
     async def started(cls, cfg: RunConfig, clients: dict[str, Any]) -> HarnessRunner:
         """A runner whose endpoint listens, the model's tokenizer loaded off the loop."""
-        from transformers import AutoTokenizer
+        from async_grpo.models import load_tokenizer, resolve_model
 
-        from async_grpo.models import resolve_model
-
-        load = lambda: AutoTokenizer.from_pretrained(resolve_model(cfg.model))  # noqa: E731
+        load = lambda: load_tokenizer(resolve_model(cfg.model))  # noqa: E731
         tokenizer, rollout = await asyncio.gather(
             asyncio.to_thread(load), asyncio.to_thread(harness_rollout, cfg)
         )

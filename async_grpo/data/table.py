@@ -117,9 +117,9 @@ class SourceTable(PromptTable):
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from async_grpo.models import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.args[1])
+            self._tokenizer = load_tokenizer(self.args[1])
         return self._tokenizer
 
     def _read(self, index: int) -> Prompt:
@@ -226,10 +226,9 @@ def prepare_table(
     (`FILE:ROW: column 'x'`). Rows read by column name are screened by Arrow
     (data/screen.py) and become a `SourceTable`; rows shaped by `dataset.map` go through
     the function, are tokenized and are written once (a `PromptTable` of that file)."""
-    from transformers import AutoTokenizer
-
     from async_grpo.config import DatasetConfig
     from async_grpo.data.forms import open_rows
+    from async_grpo.models import load_tokenizer
 
     d = dataset or DatasetConfig()
     source = open_rows(path, d.split)
@@ -238,7 +237,7 @@ def prepare_table(
         raise DataError(f"{path}: no prompts (the dataset is empty)")
     if spec.map_fn is None:
         _check_columns(path, source, spec)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     if spec.chat and not tokenizer.chat_template:
         raise DataError(
             f"model {model_dir}: no chat template for prompt_format: chat; set"

@@ -28,9 +28,9 @@ def tokenize_prompts(prompts: list[Prompt], model_dir: Path, format: str = "chat
     """Fill `input_token_ids` of every prompt with the templated prompt ids (`format`
     chat) or the text's own (plain; the tokenizer's BOS, if it adds one), then the
     prefill's (the start of the model's turn, e.g. "<calc>"), if any."""
-    from transformers import AutoTokenizer
+    from async_grpo.models import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     if format == "chat" and not tokenizer.chat_template:
         raise UserError(
             f"model {model_dir}: no chat template for prompt_format: chat; set"

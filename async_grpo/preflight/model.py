@@ -120,9 +120,9 @@ def check_turn_template(cfg: RunConfig, model_dir: Path) -> None:
     """An episode writes the environment's replies as user turns of the model's chat
     template (environments/turns.py), whatever `prompt_format` says of the first prompt:
     a model without one cannot run an environment."""
-    from transformers import AutoTokenizer
+    from async_grpo.models import load_tokenizer
 
-    if not AutoTokenizer.from_pretrained(model_dir).chat_template:
+    if not load_tokenizer(model_dir).chat_template:
         raise ConfigError(
             f"environment.name={cfg.environment.name}: model {model_dir} has no chat"
             " template, and an episode writes the environment's replies as turns of it;"

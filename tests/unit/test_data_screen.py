@@ -97,13 +97,13 @@ def _exact(source, spec, tokenizer, i):
 
 
 def _screened(path, model, settings, max_model_len=4096):
-    from transformers import AutoTokenizer
+    from async_grpo.models import load_tokenizer
 
     settings = dict(settings)
     fmt = settings.pop("format", "chat")
     spec = row_spec(path, DatasetConfig(**settings), fmt, max_model_len)
     source = open_rows(path)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = load_tokenizer(model)
     suspect, bound = screen(source.data.table, spec, tokenizer)
     exact = [_exact(source, spec, tokenizer, i) for i in range(len(source))]
     return suspect, bound, exact
@@ -147,10 +147,10 @@ def test_the_token_bound_holds_on_hostile_text(tmp_path, tiny_model_dir, gemma3_
     """No tokenizer the project ships makes more tokens than the rendered text has bytes
     (the screen's bound); every row near the context is checked exactly, so a prompt that
     does not fit is always refused."""
-    from transformers import AutoTokenizer
+    from async_grpo.models import load_tokenizer
 
     folder = tiny_model_dir if model == "smollm2" else gemma3_dir
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
     texts = _strings(seed=7, n=150)
     for text in texts:
         assert len(tokenizer(text, add_special_tokens=False).input_ids) <= len(text.encode())
