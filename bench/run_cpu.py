@@ -137,7 +137,8 @@ def main() -> None:
     if not (model / "config.json").is_file():
         make_tiny_model(model, tokenizer_from=prepare_smollm2())
     for i in range(args.repeats):
-        print(json.dumps(measure(model, args.steps, args.out / f"run{i}", args.overrides)), flush=True)
+        result = measure(model, args.steps, args.out / f"run{i}", args.overrides)
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
