@@ -29,16 +29,26 @@ SMOLLM2_ENGINES = {
     "test_weight_transports.py",
 }
 # The longest files and groups (docs/testing.md), handed out first: a long one started last
-# would leave one worker alone at the end.
+# would leave one worker alone at the end. pytest-xdist hands groups out in this order only
+# with `--no-loadscope-reorder` (pyproject.toml); by default it sorts them by their number of
+# tests, which put the files of one or two whole runs last.
 LONGEST_FIRST = [
     "smollm2-engines",
     "test_training_loop.py",
     "test_pool_faults.py",
-    "test_lora_run.py",
-    "test_signals.py",
     "test_trainer_crash.py",
+    "test_environment_faults.py",
+    "test_lora_run.py",
     "test_eval_in_run.py",
     "test_two_nodes.py",
+    "test_bad_input.py",
+    "test_model_families_engine.py",
+    "test_model_families.py",
+    "test_signals.py",
+    "test_lora_serving.py",
+    "test_engine_death.py",
+    "test_registry_ray.py",
+    "test_reward_faults.py",
 ]
 
 
