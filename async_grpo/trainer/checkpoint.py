@@ -87,17 +87,17 @@ def save(
     model_sd, optim_sd = _model_and_optim(policy, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     if rank == 0:
-        from transformers import AutoTokenizer
+        from async_grpo.models import load_tokenizer
 
         if getattr(policy, "lora", None) is not None:
             from async_grpo.adapters import base_model_record, write_adapter
 
             base = base_model_record(tokenizer_dir)
             write_adapter(path / "adapter", full_state, policy.adapter_config, base)
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "adapter")
+            load_tokenizer(tokenizer_dir).save_pretrained(path / "adapter")
         else:
             policy.hf.save_pretrained(path / "hf", state_dict=full_state)
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path / "hf")
+            load_tokenizer(tokenizer_dir).save_pretrained(path / "hf")
         if pending:
             groups = {
                 str(s): [None if g is None else [asdict(x) for x in g] for g in slots]
