@@ -6,6 +6,8 @@ Every test process runs offline, single-threaded by default, with a passive Open
 policy (2-thread runs were sometimes 10x slower without it on the 2-core machines).
 """
 
+import gc
+import logging
 import os
 import subprocess
 
@@ -187,7 +189,10 @@ def count_whole_runs(request):
 
 def pytest_terminal_summary(terminalreporter):
     """The 15 files that took the most test time, after `--durations`' slowest tests, with
-    the whole runs each made: where the suite's time goes (docs/testing.md)."""
+    the whole runs each made: where the suite's time goes (docs/testing.md). Then any task
+    error nobody saw that the session's last collections found."""
+    for line in UNSEEN_AT_END:
+        terminalreporter.write_line(f"FAILED (session end) {_UNSEEN}: {line}", red=True)
     if not FILE_SECONDS:
         return
     top = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]
@@ -208,6 +213,56 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{seconds:8.1f}s  {path}" + (f"  (whole runs: {n})" if n else "")
         )
+
+
+class _UnseenTaskErrors(logging.Handler):
+    """asyncio's "Task exception was never retrieved" for a task of our package: an error
+    nobody saw (async_grpo/background.py). asyncio logs it whenever the collector frees the
+    task: in the test running then (which fails, naming the task's code), or at the end of
+    the session, after a last collection (which fails the session, listing them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+        self.package = str(REPO / "async_grpo")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()  # the task's repr: its coroutine and where it is defined
+        if "never retrieved" in message and self.package in message:
+            self.seen.append(f"{message} ({record.exc_info[1]!r})" if record.exc_info else message)
+
+    def take(self) -> list[str]:
+        seen, self.seen = self.seen, []
+        return seen
+
+
+UNSEEN = _UnseenTaskErrors()
+logging.getLogger("asyncio").addHandler(UNSEEN)
+UNSEEN_AT_END: list[str] = []  # from every process of the session, once collected
+_UNSEEN = "a task of async_grpo ended by an error nobody saw"
+
+
+@pytest.fixture(autouse=True)
+def no_unseen_task_errors():
+    yield
+    if seen := UNSEEN.take():
+        pytest.fail(f"{_UNSEEN}:\n" + "\n".join(seen))
+
+
+def pytest_testnodedown(node, error):
+    """A pytest-xdist worker ended: what its last collection found (its `workeroutput`)."""
+    UNSEEN_AT_END.extend(getattr(node, "workeroutput", {}).get("unseen_task_errors", []))
+
+
+def pytest_sessionfinish(session):
+    gc.collect()  # ~1 s once per process, not per module or test
+    seen = UNSEEN.take()
+    if hasattr(session.config, "workeroutput"):  # a worker: its controller reports them
+        session.config.workeroutput["unseen_task_errors"] = seen
+        return
+    UNSEEN_AT_END.extend(seen)
+    if UNSEEN_AT_END:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import time
+import traceback
 from collections import defaultdict
 from typing import Any
 
@@ -266,17 +268,21 @@ class ExperienceBatcher:
         return self.cfg.reference == "logprob_pool"
 
     async def _guard(self, coro: Any) -> None:
+        """Run one producing task; its error fails the batcher, and is said to every rank
+        by `get` (kept, not raised: nothing awaits these tasks, so a raised error would
+        wait for the collector to be logged as never retrieved)."""
         try:
             await coro
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # surfaced to every rank through get()
-            self.error = f"{type(e).__name__}: {e}"
+        except Exception as e:
+            if self.error is None:  # the first cause; its traceback to this actor's log
+                self.error = f"{type(e).__name__}: {e}"
+                traceback.print_exception(e, file=sys.stderr)
             await self.channel.close()
             if self._progress is not None:
                 async with self._progress:
                     self._progress.notify_all()
-            raise
 
     # -- producing groups -----------------------------------------------------------------
     async def _produce(self, start_step: int) -> None:

@@ -123,6 +123,8 @@ class Spares:
 
         loop = asyncio.get_running_loop()
         self._tasks[step] = [loop.create_task(spare(j)) for j in range(self.per_step)]
+        for task in self._tasks[step]:  # `use` raises its error; a stop drops it unlogged
+            task.add_done_callback(_retrieved)
         return self._tasks[step]
 
     async def cancel_running(self) -> None:
@@ -189,3 +191,10 @@ async def _first_of(a: Awaitable[object], b: Awaitable[object], timeout_s: float
     finally:
         for task in pending:
             task.cancel()
+            task.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a task's error as seen (asyncio logs an unseen one when the task is freed)."""
+    if not task.cancelled():
+        task.exception()

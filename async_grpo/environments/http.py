@@ -48,6 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
+from async_grpo import background
 from async_grpo.environments.base import BadStep, Environment, StepResult, Task, checked
 from async_grpo.environments.registry import get_environment
 from async_grpo.errors import UserError
@@ -224,7 +225,7 @@ class EnvironmentServer:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             if self._stopping:
                 self._stop.set()
-        sweeper = asyncio.create_task(self._sweep())
+        sweeper = background.start(self._sweep(), "environment server: idle-session sweep")
         try:
             await self._stop.wait()
         finally:

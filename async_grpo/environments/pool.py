@@ -34,6 +34,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from async_grpo import background
 from async_grpo.cause import subject
 from async_grpo.config import EnvironmentConfig
 from async_grpo.deadline import within
@@ -124,7 +125,7 @@ class EnvironmentWorker:
                 job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._unstick))
                 if self._stuck >= STUCK_LIMIT and not self._retired:
                     self._retired = True
-                    self._leaving = loop.create_task(self._retire())
+                    self._leaving = background.start(self._retire(), f"{self.worker_id}: retiring")
             raise
         if inspect.isawaitable(out):
             return await within(out, self.cfg.step_timeout_s)
@@ -253,7 +254,7 @@ class EnvironmentWorker:
 
     def _start_sweep(self) -> None:
         if self._sweep is None:
-            self._sweep = asyncio.get_running_loop().create_task(self._expire())
+            self._sweep = background.start(self._expire(), f"{self.worker_id}: expiry sweep")
 
     async def _expire(self) -> None:
         """Release the groups held past their `hold_s`; forget old give-ups."""

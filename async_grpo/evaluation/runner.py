@@ -90,7 +90,10 @@ class Evaluator:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             error = f"not finished within eval.timeout_s={c.timeout_s:g}s"
-            if unserved in done:  # the trainer's next push is what can serve it again
+            if unserved in done and unserved.exception() is not None:  # the registry failed
+                e = unserved.exception()
+                error = f"the generation registry could not be asked: {type(e).__name__}: {e}"
+            elif unserved in done:  # the trainer's next push is what can serve it again
                 error = f"no generation worker serves version {version} or newer any more"
         answered = {s.question for s in samples}
         metrics = summarize(samples, c.samples_per_question, c.pass_k)

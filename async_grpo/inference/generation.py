@@ -20,7 +20,6 @@ elsewhere, the worker dropped from a push, a replacement started by `async-grpo 
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -123,7 +122,7 @@ class GenerationWorker(RegisteredWorker):
         claim_engine_processes()  # they end with this actor, however it ends
         with forked_engine_core(self.device):
             self.engine = AsyncLLM.from_engine_args(args)
-        self._engine_watch = asyncio.get_running_loop().create_task(self._watch_engine())
+        self._engine_watch = self._background(self._watch_engine(), "engine watch")
         (self.weight_reload,) = set(await self.engine.collective_rpc("async_grpo_reload_kind"))
         print(f"{self.worker_id}: weight updates load {self.weight_reload}", flush=True)
         await self.engine.update_weight_version(str(self.version))
@@ -369,7 +368,7 @@ class GenerationWorker(RegisteredWorker):
         """(Re)start the wait for the push's next call: none within its timeout ends it."""
         if self._watchdog is not None:
             self._watchdog.cancel()
-        self._watchdog = asyncio.get_running_loop().create_task(self._abandon_after(*self._push))
+        self._watchdog = self._background(self._abandon_after(*self._push), "push watchdog")
 
     async def _abandon_after(self, version: int, timeout_s: float) -> None:
         """The trainer vanished mid-push: the weights are half loaded, so this worker ends
@@ -392,10 +391,6 @@ class GenerationWorker(RegisteredWorker):
         """A dead engine core cannot come back in this actor: end the process."""
         if self.engine is not None and self.engine.errored:
             self._exit("vLLM's engine core died")
-
-    def _exit(self, why: str) -> None:
-        print(f"{self.worker_id}: {why}; this worker ends", flush=True)
-        os._exit(1)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> dict[str, int]:
         """Deregister, let running requests finish (up to the timeout), shut the engine."""

@@ -89,7 +89,7 @@ class LogprobWorker(RegisteredWorker):
         self.model.to(self.device).eval().requires_grad_(False)
         self.max_len = self.model.config.max_position_embeddings
         self._queue = asyncio.Queue()
-        self._loop_task = asyncio.get_running_loop().create_task(self._serve())
+        self._loop_task = self._background(self._serve(), "serving loop")
         if register:
             await self.register()
         return self.worker_id

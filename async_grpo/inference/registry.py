@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from async_grpo import background
 from async_grpo.inference.types import PoolUnavailable, WorkerStatus
 
 DEFAULT_HOLD_S = 3600.0  # a lease's life when the caller names none
@@ -100,7 +101,9 @@ class LeastLoadedRegistry:
         )
         self.dropped.pop(worker_id, None)
         if not heartbeats and self._prober is None:
-            self._prober = asyncio.get_running_loop().create_task(self._probe_silent())
+            self._prober = background.start(  # failed: said, and started again at a join
+                self._probe_silent(), f"registry:{self.pool} prober", end=self._unprobed
+            )
         await self._notify()
         if self._checkpoint is not None and self._checkpoint[0] > version:
             return self._checkpoint
@@ -297,6 +300,9 @@ class LeastLoadedRegistry:
 
     async def handles(self) -> dict[str, Any]:
         return {wid: w.handle for wid, w in self._workers.items()}
+
+    def _unprobed(self, _: str) -> None:
+        self._prober = None
 
     async def _probe_silent(self) -> None:
         """Workers without heartbeats (verifiers) are pinged every heartbeat_timeout_s / 3;

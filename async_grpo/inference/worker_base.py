@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+from async_grpo import background
 from async_grpo.ray_utils import node_label
 
 HEARTBEAT_S = 2.0
@@ -103,7 +104,16 @@ class RegisteredWorker:
         self.registry = await get_registry_async(self.pool)
         me = ray.get_runtime_context().current_actor
         await self._join(me)
-        self._heartbeat = asyncio.get_running_loop().create_task(self._beat(me))
+        self._heartbeat = self._background(self._beat(me), "heartbeat")
+
+    def _background(self, coro: Any, what: str) -> asyncio.Task:
+        """A loop this worker cannot serve without: its error ends the worker, named."""
+        return background.start(coro, f"{self.worker_id}: {what}", end=self._exit)
+
+    def _exit(self, why: str) -> None:
+        """End this actor's process at once (its pool starts a replacement)."""
+        print(f"{self.worker_id}: {why}; this worker ends", flush=True)
+        os._exit(1)
 
     async def _join(self, me: Any) -> None:
         """Register (again) and load the checkpoint the registry says is newer than ours."""

@@ -94,7 +94,7 @@ class RewardModelWorker(RegisteredWorker):
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_length = min(self.cfg.max_length, positions or self.cfg.max_length)
         self._queue = asyncio.Queue()
-        self._loop_task = asyncio.get_running_loop().create_task(self._serve())
+        self._loop_task = self._background(self._serve(), "serving loop")
         if register:
             await self.register()
         return self.worker_id
