@@ -77,7 +77,10 @@ def test_a_refused_setting_costs_no_torch_import(tmp_path):
     ],
 )
 def test_rewards_are_looked_up_at_start(tmp_path, reward, words):
-    _refused(_run(tmp_path, f"verifier.rewards=[{reward}]"), *words)
+    if reward == "no_such_reward":  # through the command; the others in this process
+        _refused(_run(tmp_path, f"verifier.rewards=[{reward}]"), *words)
+    else:
+        _refused_here(tmp_path, [f"verifier.rewards=[{reward}]"], *words)
 
 
 @pytest.mark.parametrize(
@@ -130,13 +133,13 @@ def test_a_model_no_library_can_load(tmp_path, tiny_model_dir):
     _refused(_run(tmp_path, f"model={folder}"), str(folder), "no_such_family")
     config["architectures"] = ["NoSuchForCausalLM"]  # transformers reads it; vLLM does not
     (folder / "config.json").write_text(json.dumps(config))
-    _refused(_run(tmp_path, f"model={folder}"), "vLLM", "NoSuchForCausalLM")
+    _refused_here(tmp_path, [f"model={folder}"], "vLLM", "NoSuchForCausalLM")
 
 
 def test_families_the_run_cannot_train_exactly_are_refused(tmp_path, smollm2_dir):
-    """Through the real command, before Ray: a family the engine computes otherwise
-    (measured, by architecture), and one the trainer's packed path gets wrong, found by the
-    start-up check on a small random twin (Bloom's ALiBi)."""
+    """Before Ray: a family the engine computes otherwise (measured, by architecture),
+    through the real command, and one the trainer's packed path gets wrong, found by the
+    start-up check on a small random twin (Bloom's ALiBi), by its checks in this process."""
     from async_grpo.model_families import make_family_model
 
     neox = make_family_model("gpt_neox", tmp_path / "neox", smollm2_dir)
@@ -146,7 +149,7 @@ def test_families_the_run_cannot_train_exactly_are_refused(tmp_path, smollm2_dir
     config = json.loads((bloom / "config.json").read_text())
     config |= {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "n_head": 2}
     (bloom / "config.json").write_text(json.dumps(config))
-    _refused(_run(tmp_path, f"model={bloom}"), "'bloom'", "packed path")
+    _refused_here(tmp_path, [f"model={bloom}"], "'bloom'", "packed path")
 
 
 def _without_chat_template(tmp_path, tiny_model_dir):
@@ -221,7 +224,10 @@ def test_lora_targets_the_model_does_not_have(tmp_path):
 )
 def test_lora_settings_out_of_range(tmp_path, override, words):
     rank = [] if "rank=" in override else ["trainer.lora.rank=8"]
-    _refused(_run(tmp_path, *rank, override), *words)
+    if "rank=" in override:  # through the command; the others in this process
+        _refused(_run(tmp_path, *rank, override), *words)
+    else:
+        _refused_here(tmp_path, [*rank, override], *words)
 
 
 # Text that is not UTF-8 (a byte 0xe9 on line 2) or not valid Unicode (a lone surrogate,
