@@ -79,3 +79,26 @@ def test_a_sample_over_the_model_context_fails_alone(worker):
     with pytest.raises(RequestError, match="exceeds the model context"):
         ray.get(worker.logprobs.remote([([1] * 2100, [2] * 10)]), timeout=120)
     assert len(ray.get(worker.logprobs.remote([([1, 2, 3], [4, 5])]), timeout=120)[0]) == 2
+
+
+def test_a_serving_loop_that_dies_ends_its_worker(worker):
+    """Last in this module (it ends the module's worker). An error outside the forward's
+    own handling (here an item the loop cannot read) used to end the serving loop without a
+    word: the actor stayed up, registered, and every later caller waited out its timeout.
+    Now the worker says `<id>: serving loop failed: ...; this worker ends` and its process
+    ends, so Ray reports it dead and a run's supervisor starts another."""
+    import time
+
+    import ray
+    from ray.exceptions import RayActorError
+
+    ray.get(worker.ping.remote(), timeout=30)
+    ray.get(worker.__ray_call__.remote(lambda self: self._queue.put_nowait(None)), timeout=30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.ping.remote(), timeout=10)
+        except RayActorError:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the worker still answers 60 s after its serving loop failed")
