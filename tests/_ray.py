@@ -42,3 +42,21 @@ def my_processes(marker: str) -> set[int]:
         except psutil.Error:  # gone meanwhile
             continue
     return found
+
+
+def seconds_until_dead(actor, timeout_s: float, what: str = "the actor") -> float:
+    """Seconds until Ray reports `actor` dead (asked every 0.2 s); fails naming `what` if
+    it still answers `timeout_s` later."""
+    import time
+
+    import ray
+    from ray.exceptions import RayActorError
+
+    t = time.monotonic()
+    while time.monotonic() - t < timeout_s:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except RayActorError:
+            return time.monotonic() - t
+        time.sleep(0.2)
+    raise AssertionError(f"{what} still answers {timeout_s:.0f} s later")

@@ -12,9 +12,9 @@
 import asyncio
 import os
 import signal
-import time
 
 import pytest
+from _ray import seconds_until_dead
 from test_generation_cancel import CFG  # one real engine config for the tiny model
 
 from async_grpo.inference.types import SamplingSettings
@@ -36,17 +36,7 @@ def _engine_core(worker) -> int:
 
 def _ends_within(worker, timeout_s: float) -> float:
     """Seconds until Ray reports `worker` dead (it must be within `timeout_s`)."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    t = time.monotonic()
-    while time.monotonic() - t < timeout_s:
-        try:
-            ray.get(worker.ping.remote(), timeout=10)
-        except RayActorError:
-            return time.monotonic() - t
-        time.sleep(0.5)
-    raise AssertionError(f"worker still alive {timeout_s:.0f}s later")
+    return seconds_until_dead(worker, timeout_s, "the worker")
 
 
 def test_a_dead_engine_ends_its_worker_and_requests_go_elsewhere(cluster, tiny_model_dir):

@@ -87,18 +87,9 @@ def test_a_serving_loop_that_dies_ends_its_worker(worker):
     word: the actor stayed up, registered, and every later caller waited out its timeout.
     Now the worker says `<id>: serving loop failed: ...; this worker ends` and its process
     ends, so Ray reports it dead and a run's supervisor starts another."""
-    import time
-
     import ray
-    from ray.exceptions import RayActorError
+    from _ray import seconds_until_dead
 
     ray.get(worker.ping.remote(), timeout=30)
     ray.get(worker.__ray_call__.remote(lambda self: self._queue.put_nowait(None)), timeout=30)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(worker.ping.remote(), timeout=10)
-        except RayActorError:
-            return
-        time.sleep(0.5)
-    raise AssertionError("the worker still answers 60 s after its serving loop failed")
+    seconds_until_dead(worker, 60, "the worker whose serving loop failed")

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from _ray import forget_pools
+from _ray import forget_pools, seconds_until_dead
 
 from async_grpo.config import LogprobConfig
 
@@ -30,17 +30,9 @@ def cluster(ray_cluster):
 def _kill(actor) -> None:
     """ray.kill, then wait until the actor is really gone (ray.kill does not wait)."""
     import ray
-    from ray.exceptions import RayActorError
 
     ray.kill(actor)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=10)
-        except RayActorError:
-            return
-        time.sleep(0.2)
-    raise AssertionError("a killed actor still answers after 60s")
+    seconds_until_dead(actor, 60, "a killed actor")
 
 
 def _registry():
