@@ -22,7 +22,7 @@ T = TypeVar("T")
 GRACE_S = 1.0  # how long a cancelled task may take to unwind before the wait gives up
 
 
-def _drop(task: asyncio.Task) -> None:
+def mark_seen(task: asyncio.Future) -> None:
     """Retrieve an abandoned task's outcome, so asyncio does not log it as never retrieved."""
     if not task.cancelled():
         task.exception()
@@ -39,9 +39,9 @@ async def within(aw: Awaitable[T], timeout_s: float, grace_s: float = GRACE_S) -
             await asyncio.wait({task}, timeout=grace_s)
     except asyncio.CancelledError:
         task.cancel()
-        task.add_done_callback(_drop)
+        task.add_done_callback(mark_seen)
         raise
     if done:
         return task.result()
-    task.add_done_callback(_drop)
+    task.add_done_callback(mark_seen)
     raise TimeoutError(f"not done within {timeout_s:g} s")

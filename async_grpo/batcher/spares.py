@@ -45,6 +45,7 @@ from typing import Any
 from async_grpo.batcher.types import ScoredSample, rollouts
 from async_grpo.config import BatcherConfig
 from async_grpo.data import PromptSampler
+from async_grpo.deadline import mark_seen
 
 Group = list[ScoredSample]
 MAX_WAIT_S = 600.0  # the longest a step's packing waits on its spares
@@ -124,7 +125,7 @@ class Spares:
         loop = asyncio.get_running_loop()
         self._tasks[step] = [loop.create_task(spare(j)) for j in range(self.per_step)]
         for task in self._tasks[step]:  # `use` raises its error; a stop drops it unlogged
-            task.add_done_callback(_retrieved)
+            task.add_done_callback(mark_seen)
         return self._tasks[step]
 
     async def cancel_running(self) -> None:
@@ -191,10 +192,4 @@ async def _first_of(a: Awaitable[object], b: Awaitable[object], timeout_s: float
     finally:
         for task in pending:
             task.cancel()
-            task.add_done_callback(_retrieved)
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    """Mark a task's error as seen (asyncio logs an unseen one when the task is freed)."""
-    if not task.cancelled():
-        task.exception()
+            task.add_done_callback(mark_seen)
