@@ -453,19 +453,11 @@ class ExperienceBatcher:
         tokens, count = report.loss_counts(samples, self._masked)
         skip_tokens, skip_count = report.loss_counts(skipped, self._masked)
         stats["skipped_samples"] = float(len(skipped))
-        if self.cfg.batcher.spare_groups:
-            stats["spare_groups_used"] = float(spares_used)
-        if self.cfg.batcher.dynamic_sampling:
-            stats["dynamic_sampling/redraws"] = redraws
-            stats["dynamic_sampling/replaced"] = float(len(redrawn))
-            equal = [g for g in groups if all(s.advantage == 0.0 for s in g)]
-            stats["dynamic_sampling/left_equal"] = float(len(equal))
+        stats |= report.draw_stats(self.cfg.batcher, groups, spares_used, redraws, redrawn)
         if self.curriculum is not None:
-            passing = self.cfg.batcher.curriculum_pass
-            for grp in (g for g in groups + replaced + redrawn if g[0].prompt_index >= 0):
-                heads = [s for s in grp if not s.continues]
-                passed = sum(s.reward >= passing for s in heads)
-                self.curriculum.record(step, grp[0].prompt_index, passed, len(heads))
+            self.curriculum.record_groups(
+                step, groups + replaced + redrawn, self.cfg.batcher.curriculum_pass
+            )
             stats |= self.curriculum.stats()
         logged = report.samples_to_log(step, groups, self.cfg)
         async with self._emitting:

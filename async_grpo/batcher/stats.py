@@ -112,6 +112,26 @@ def batch_stats(
     return stats
 
 
+def draw_stats(
+    b: Any,
+    groups: list[list[ScoredSample]],
+    spares_used: int,
+    redraws: float,
+    redrawn: list[list[ScoredSample]],
+) -> dict[str, float]:
+    """What a step's spare groups and dynamic sampling did, for those the run has on
+    (`b`: its BatcherConfig): spares used; groups redrawn, replaced and left equal."""
+    out: dict[str, float] = {}
+    if b.spare_groups:
+        out["spare_groups_used"] = float(spares_used)
+    if b.dynamic_sampling:
+        out["dynamic_sampling/redraws"] = redraws
+        out["dynamic_sampling/replaced"] = float(len(redrawn))
+        equal = [g for g in groups if all(s.advantage == 0.0 for s in g)]
+        out["dynamic_sampling/left_equal"] = float(len(equal))
+    return out
+
+
 def token_staleness(step: int, samples: list[ScoredSample]) -> float:
     """Mean staleness over the model's completion tokens (an episode's environment tokens
     were not sampled): each counts the version that sampled it (after an in-flight update

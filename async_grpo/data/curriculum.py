@@ -39,6 +39,14 @@ class Curriculum:
         if step > self.folded_through:  # a replayed step already in the table is not counted twice
             self._results[step].append((index, passes, samples))
 
+    def record_groups(self, step: int, groups: list[list[Any]], passing: float) -> None:
+        """Each group of `step` drawn from the prompts (a sample's `prompt_index` >= 0): how
+        many of its first turns (`continues` False) scored `passing` or more."""
+        for group in (g for g in groups if g[0].prompt_index >= 0):
+            heads = [s for s in group if not s.continues]
+            passed = sum(s.reward >= passing for s in heads)
+            self.record(step, group[0].prompt_index, passed, len(heads))
+
     def mastery(self, index: int) -> float:
         return (self.passes[index] + 1) / (self.samples[index] + 2)
 
