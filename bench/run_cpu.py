@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +76,21 @@ def _processes() -> dict[tuple[int, int], tuple[float, str, str]]:
     return out
 
 
+def _stop_with(proc: subprocess.Popen) -> None:
+    """A SIGTERM or SIGHUP to the bench (`timeout`, a closed terminal) goes on to its run,
+    which stops as on Ctrl-C and ends its own cluster; the bench waits up to 60 s for it."""
+
+    def stop(signum: int, frame: object) -> None:
+        proc.send_signal(signum)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def measure(model: Path, steps: int, out: Path, extra: list[str]) -> dict[str, object]:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "async_grpo.cli", "run", str(REPO / "configs" / "quickstart.yaml")]
@@ -94,6 +110,7 @@ def measure(model: Path, steps: int, out: Path, extra: list[str]) -> dict[str, o
     t0 = time.perf_counter()
     with (out.parent / f"{out.name}-console.txt").open("w") as console:
         proc = subprocess.Popen(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
+        _stop_with(proc)
         while proc.poll() is None:
             for key, (cpu, comm, line) in _processes().items():
                 if key not in before:  # an ending process reads with no command line
