@@ -39,6 +39,16 @@ def _ends_within(worker, timeout_s: float) -> float:
     return seconds_until_dead(worker, timeout_s, "the worker")
 
 
+async def _until_its_engine_runs_a_request(worker, timeout_s: float) -> None:
+    """Return once `worker`'s engine holds a request (its `ping`, every 0.1 s)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not (await worker.ping.remote())["engine_requests"]:
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"no request reached the worker's engine within {timeout_s:.0f}s"
+        )
+        await asyncio.sleep(0.1)
+
+
 def test_a_dead_engine_ends_its_worker_and_requests_go_elsewhere(cluster, tiny_model_dir):
     import ray
 
@@ -53,19 +63,23 @@ def test_a_dead_engine_ends_its_worker_and_requests_go_elsewhere(cluster, tiny_m
         client = PoolClient("generation", lease_timeout_s=120)
         retried = []
 
-        async def request_then_kill():
-            long = SamplingSettings(max_new_tokens=1500, temperature=1.0, seed=0)
-            call = asyncio.ensure_future(
-                client.call(8, "generate", [1, 2, 3], 8, long, on_retry=lambda: retried.append(1))
-            )
-            await asyncio.sleep(3)  # both workers hold requests (8 sequences each)
+        async def two_calls_then_kill():
+            # 8 sequences of up to 300 tokens: seconds of decoding after the kill, so the
+            # first worker's request is still running when its engine dies
+            long = SamplingSettings(max_new_tokens=300, temperature=1.0, seed=0)
+            calls = [
+                asyncio.ensure_future(
+                    client.call(
+                        8, "generate", [1, 2, 3], 8, long, on_retry=lambda: retried.append(1)
+                    )
+                )
+                for _ in range(2)
+            ]
+            await _until_its_engine_runs_a_request(first, 120)
             os.kill(core, signal.SIGKILL)
-            return await asyncio.wait_for(call, timeout=300)
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)
 
-        async def two_calls():
-            return await asyncio.gather(request_then_kill(), request_then_kill())
-
-        done = asyncio.run(two_calls())
+        done = asyncio.run(two_calls_then_kill())
         assert all(len(out) == 8 for out in done)
         assert retried, "no request was on the worker whose engine died"
         took = _ends_within(first, 30)
