@@ -94,6 +94,18 @@ def _scored(policy: torch.nn.Module, prompt: list[int], completion: list[int]) -
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
+def _scored_under(policy, prompt, completions, weights_by_version) -> dict:
+    """version -> the per-token log-probs of each completion (in order) under that
+    version's weights: each version's weights are loaded once, the last one stays."""
+    scored = {}
+    for version, weights in weights_by_version.items():
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                p.copy_(weights[n])
+        scored[version] = [_scored(policy, prompt, c.token_ids) for c in completions]
+    return scored
+
+
 def test_an_fp32_engine_answers_and_scores_as_the_trainer(workers, policy, tokenizer):
     """Before any push (the policy is still SmolLM2 as loaded), in fp32 on every CPU kind:
     the engine's greedy answer names Paris and its per-token log-probs equal the trainer's
@@ -223,21 +235,12 @@ def test_push_while_requests_run_labels_every_token_with_its_weights(
     new = {n: p.detach().clone() for n, p in policy.named_parameters()}
     versions = {c.policy_version for c in completions}
     assert versions == {version, version + 1}, versions  # some ran before, some after
-    for c in completions:
-        weights = old if c.policy_version == version else new
-        other = new if weights is old else old
-        with torch.no_grad():
-            for n, p in policy.named_parameters():
-                p.copy_(weights[n])
-        mine = (_scored(policy, prompt, c.token_ids) - torch.tensor(c.logprobs)).abs().max()
-        with torch.no_grad():
-            for n, p in policy.named_parameters():
-                p.copy_(other[n])
-        theirs = (_scored(policy, prompt, c.token_ids) - torch.tensor(c.logprobs)).abs().max()
+    scored = _scored_under(policy, prompt, completions, {version: old, version + 1: new})
+    for i, c in enumerate(completions):
+        other = version + 1 if c.policy_version == version else version
+        mine = (scored[c.policy_version][i] - torch.tensor(c.logprobs)).abs().max()
+        theirs = (scored[other][i] - torch.tensor(c.logprobs)).abs().max()
         assert mine < 1e-3 < theirs, (c.policy_version, float(mine), float(theirs))
-    with torch.no_grad():
-        for n, p in policy.named_parameters():
-            p.copy_(new[n])
     assert ray.get(near.ping.remote())["prefix_reset_failures"] == 0
 
 
@@ -253,7 +256,8 @@ def test_in_flight_push_labels_each_token_with_the_weights_that_sampled_it(
     near, _ = workers
     old = {n: p.detach().clone() for n, p in policy.named_parameters()}
     version = int(ray.get(near.ping.remote())["version"])
-    long = [SamplingSettings(max_new_tokens=150, temperature=1.0, seed=300 + i) for i in range(6)]
+    # 64 tokens: a second or more of decoding on the old weights, and more after the switch
+    long = [SamplingSettings(max_new_tokens=64, temperature=1.0, seed=300 + i) for i in range(6)]
 
     async def run():
         calls = [near.generate.remote(prompt, 2, s) for s in long]
@@ -276,22 +280,17 @@ def test_in_flight_push_labels_each_token_with_the_weights_that_sampled_it(
     # bound on the drain failed on a loaded machine, 1.37 s, while meaning the same)
     assert any({version, version + 1} <= set(c.token_versions) for c in mixed)
     assert timings["worker_version/min"] == version + 1
-    for c in completions:
+    scored = _scored_under(policy, prompt, completions, {version: old, version + 1: new})
+    for i, c in enumerate(completions):
         per_token = c.token_versions or [c.policy_version] * len(c.token_ids)
         assert set(per_token) <= {version, version + 1}
         assert per_token == sorted(per_token) and c.policy_version == per_token[0]
         switch = per_token.index(version + 1) if version + 1 in per_token else len(per_token)
-        for weights, part in ((old, slice(0, switch)), (new, slice(switch, None))):
+        for v, part in ((version, slice(0, switch)), (version + 1, slice(switch, None))):
             if not c.token_ids[part]:
                 continue
-            with torch.no_grad():
-                for n, p in policy.named_parameters():
-                    p.copy_(weights[n])
-            got = _scored(policy, prompt, c.token_ids)[part]
+            got = scored[v][i][part]
             assert (got - torch.tensor(c.logprobs[part])).abs().max() < 1e-3, (switch, part)
-    with torch.no_grad():
-        for n, p in policy.named_parameters():
-            p.copy_(new[n])
     assert ray.get(near.ping.remote())["prefix_reset_failures"] == 0
 
 
