@@ -45,6 +45,15 @@ def generation(cluster, smollm2_dir):
     stop_workers(handles, drain_timeout_s=5)
 
 
+@pytest.fixture(scope="module")
+def trainer_model(smollm2_dir):
+    """SmolLM2 in fp32 as the trainer scores with it (transformers), loaded once: the
+    tests replay episodes through it and never change it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
 def _cfg(**env) -> RunConfig:
     e = EnvironmentConfig(**({"name": "guess_number", "capacity": 8, "max_turns": 3} | env))
     return replace(
@@ -75,9 +84,7 @@ def _stats(workers):
     return [ray.get(w.stats.remote(), timeout=30) for w in workers]
 
 
-def test_episodes_replay_token_by_token_in_the_trainer(generation, smollm2_dir, tokenizer):
-    from transformers import AutoModelForCausalLM
-
+def test_episodes_replay_token_by_token_in_the_trainer(generation, trainer_model, tokenizer):
     from async_grpo.core.logprobs import batch_logprobs
     from async_grpo.core.packing import pack
     from async_grpo.pools import start_environment_workers, stop_workers
@@ -92,7 +99,7 @@ def test_episodes_replay_token_by_token_in_the_trainer(generation, smollm2_dir, 
     assert sum(s["env/live"] for s in stats) == 0  # every instance released
     assert sum(s["env/acquired"] for s in stats) == 4
     assert max(s.episode["turns"] for s in group) >= 2  # 1 in 1000 to guess at once
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model = trainer_model
     for s in group:
         mask = torch.tensor(s.completion_mask)
         env_text = tokenizer.decode(
@@ -152,15 +159,13 @@ def _context(tokenizer, s) -> str:
 
 
 def test_a_harness_trains_the_engines_tokens_across_turns(
-    generation, smollm2_dir, tokenizer, monkeypatch
+    generation, smollm2_dir, tokenizer, trainer_model, monkeypatch
 ):
     """`environment.kind: openai` on the real engine: the harness's two turns go through
     the real `openai` client and the endpoint's socket; each rollout is one sample whose
     model tokens replay in the trainer to the sampler's log-probs (so they are the tokens
     the engine sampled, not a re-tokenization of the reply's text), and its second user
     turn is masked context."""
-    from transformers import AutoModelForCausalLM
-
     from async_grpo.data.tokenize import chat_token_ids
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
@@ -179,13 +184,12 @@ def test_a_harness_trains_the_engines_tokens_across_turns(
     for s in group:
         assert "Check it and say it again." in _context(tokenizer, s)
         assert s.completion_mask[0] and s.completion_mask[-1]
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    worst = _replay_error(model, group)
+    worst = _replay_error(trainer_model, group)
     assert worst < 2e-3, worst
 
 
 def test_verifiers_environments_train_the_engines_tokens(
-    generation, smollm2_dir, tokenizer, monkeypatch
+    generation, smollm2_dir, tokenizer, trainer_model, monkeypatch
 ):
     """`environment.kind: verifiers` on the real engine, with the real `verifiers`
     package: a single-turn environment on the arithmetic data and the shipped calculator
@@ -194,8 +198,6 @@ def test_verifiers_environments_train_the_engines_tokens(
     log-probs alike (the multi-turn mismatch within the single-turn one's bound), every
     token of version 0."""
     pytest.importorskip("verifiers")
-    from transformers import AutoModelForCausalLM
-
     from async_grpo.data import load_prompts
     from async_grpo.data.generate import calculator_rows
     from async_grpo.data.tokenize import chat_token_ids
@@ -221,8 +223,8 @@ def test_verifiers_environments_train_the_engines_tokens(
     for s in multi:
         assert "<|im_start|>user\n" in _context(tokenizer, s)
         assert s.completion_mask[0] and s.completion_mask[-1]
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    worst_single, worst_multi = _replay_error(model, single), _replay_error(model, multi)
+    worst_single = _replay_error(trainer_model, single)
+    worst_multi = _replay_error(trainer_model, multi)
     print(f"replay error: single-turn {worst_single:.1e}, calculator {worst_multi:.1e}")
     assert worst_single < 2e-3 and worst_multi < 2e-3, (worst_single, worst_multi)
 
