@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
+import time
 import uuid
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -71,6 +74,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from async_grpo.logs import quiet_libraries
     from async_grpo.preflight import checked_before_ray
     from async_grpo.ray_utils import connect
+    from async_grpo.run import Watchdog, stop_on_signal, stopped_by
+    from async_grpo.shm_files import RUN_ID_ENV, remove_run
 
     cfg = eval_config(args)
     model_dir = Path(checked_before_ray(cfg, "eval", model=args.model))
@@ -82,26 +87,42 @@ def run_eval(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     quiet_libraries()
-    head = (
-        None
-        if args.address
-        else LocalHead(num_cpus=16, object_store_bytes=1 << 29, log_monitor=False)
-    )
+    head, watchdog, started = None, None, time.time()
+    run_id = os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex[:8])  # its /dev/shm folder
+    if not args.address:  # killed in any way, nothing of its private cluster is left
+        watchdog = Watchdog(run_id, started)
+        head = LocalHead(num_cpus=16, object_store_bytes=1 << 29, log_monitor=False)
+        watchdog.guard(head.proc.pid)
+        watchdog.remove(head.temp)
     actors: list[Any] = []
     try:
         connect(args.address or head.address, log_to_driver=False)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop as on Ctrl-C (after ray.init's)
+            signal.signal(sig, stop_on_signal)
         print(f"evaluating {model_dir} on {len(prompts)} prompts of {e.data}", flush=True)
         gen, ver = _start_workers(cfg, str(model_dir), actors, eval_adapter(args.model))
         clients = {"generation": gen, "verifier": ver}
         evaluator = Evaluator(e, cfg.generation.max_new_tokens, prompts, clients, cfg.verifier)
         result = asyncio.run(evaluator.evaluate(0))
+    except KeyboardInterrupt as e:  # SIGTERM or SIGHUP (`stopped_by`); Ctrl-C as before
+        if (signum := stopped_by(e)) == signal.SIGINT:
+            raise
+        print(
+            f"stopped by {signal.Signals(signum).name}: stopping the evaluation and Ray", flush=True
+        )
+        return 128 + signum
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # clean up undisturbed
+            signal.signal(sig, signal.SIG_IGN)
         for a in actors:
             ray.kill(a)
         if ray.is_initialized():
             ray.shutdown()
         if head is not None:
             head.stop()
+        remove_run(run_id, since=started)  # an adapter's folders in /dev/shm
+        if watchdog is not None:
+            watchdog.close()
     with (out / "eval_samples.jsonl").open("w", encoding="utf-8") as f:
         for s in result.samples:
             f.write(json.dumps(s.to_json(), default=str) + "\n")

@@ -67,22 +67,40 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+_SIGNALLED: list[int] = []  # the stop signals this process received, in order
+
+
 def stop_on_signal(signum: int, frame: Any) -> None:
+    _SIGNALLED.append(signum)
     raise Stopped(signum)
+
+
+def stopped_by(e: KeyboardInterrupt) -> int:
+    """The signal `e` stands for: a `Stopped`'s; else the last SIGTERM or SIGHUP received
+    (inside a Ray wait, Ray raises a plain KeyboardInterrupt for our handler's exception);
+    else SIGINT (Ctrl-C)."""
+    if isinstance(e, Stopped):
+        return e.signum
+    return _SIGNALLED[-1] if _SIGNALLED else int(signal.SIGINT)
 
 
 # Started beside the head: holds the read end of a pipe from `run`. When `run` ends in any
 # way (SIGKILL included) the pipe closes, and it kills the processes `run` named with all
-# their descendants (torchrun starts its ranks in sessions of their own), then their groups.
+# their descendants (torchrun starts its ranks in sessions of their own), then their groups,
+# then removes the folders `run` named (its own in /tmp, the head's) and its /dev/shm files.
 WATCHDOG = """
-import os, signal, sys
+import os, shutil, signal, sys
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
-roots = set()
+roots, folders = set(), []
 for line in sys.stdin:
-    if line.strip() == "done":  # `run` stopped them itself: kill nothing (pids get reused)
+    line = line.strip()
+    if line == "done":  # `run` stopped them itself: kill nothing (pids get reused)
         sys.exit(0)
-    roots.add(int(line))
+    if line.startswith("folder "):
+        folders.append(line.removeprefix("folder "))
+    else:
+        roots.add(int(line))
 children = {}
 for entry in os.listdir("/proc"):
     try:
@@ -103,6 +121,8 @@ for pid in doomed:
             kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+for folder in folders:
+    shutil.rmtree(folder, ignore_errors=True)
 # the run's files in /dev/shm (its folder, the semaphores of its killed processes)
 from async_grpo.shm_files import remove_run
 remove_run(sys.argv[1], since=float(sys.argv[2]))
@@ -111,8 +131,8 @@ remove_run(sys.argv[1], since=float(sys.argv[2]))
 
 class Watchdog:
     """Kills the named processes, their descendants and their groups once this process is
-    gone, however it ended, then removes the files of run `run_id` (started at `since`) in
-    /dev/shm (shm_files.remove_run)."""
+    gone, however it ended, then removes the named folders and the files of run `run_id`
+    (started at `since`) in /dev/shm (shm_files.remove_run)."""
 
     def __init__(self, run_id: str, since: float) -> None:
         self.proc = subprocess.Popen(
@@ -125,6 +145,11 @@ class Watchdog:
 
     def guard(self, pgid: int) -> None:
         self.proc.stdin.write(f"{pgid}\n".encode())
+        self.proc.stdin.flush()
+
+    def remove(self, folder: str | Path) -> None:
+        """`folder` goes too if this process is killed (else it removes it itself)."""
+        self.proc.stdin.write(f"folder {folder}\n".encode())
         self.proc.stdin.flush()
 
     def close(self) -> None:
@@ -229,11 +254,13 @@ def run_local(
         quiet_libraries()
     code = 1
     exit_dir = Path(tempfile.mkdtemp(prefix="async-grpo-run-"))
+    watchdog.remove(exit_dir)
     cause_file = exit_dir / "cause"  # the first cause recorded, printed at the end
     try:
         if address is None:
             head = LocalHead(num_cpus=16, object_store_bytes=1 << 30, log_monitor=verbose)
             watchdog.guard(head.proc.pid)
+            watchdog.remove(head.temp)  # the head's session: its logs and sockets
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)
         connect(address, log_to_driver=verbose, tries=3 if head is not None else 1)
@@ -286,13 +313,14 @@ def run_local(
         record_cause(str(e), cause_file)
         code = 1
         return code
-    except Stopped as e:
-        print(f"stopped by {e}: stopping the trainer, the pools and Ray", flush=True)
-        code = 128 + e.signum
-        return code
-    except KeyboardInterrupt:
-        print("interrupted: stopping the trainer, the pools and Ray", flush=True)
-        code = 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (`stopped_by`)
+        signum = stopped_by(e)
+        if signum == signal.SIGINT:
+            print("interrupted: stopping the trainer, the pools and Ray", flush=True)
+        else:
+            name = signal.Signals(signum).name
+            print(f"stopped by {name}: stopping the trainer, the pools and Ray", flush=True)
+        code = 128 + signum
         return code
     finally:
         if threading.current_thread() is threading.main_thread():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from _cli import plugin_env, run_command
 
+from async_grpo.errors import EXIT_FILE_ENV
 from async_grpo.shm_files import RUN_ID_ENV, left
 
 TAG = "ASYNC_GRPO_TEST_RUN"
@@ -76,30 +77,51 @@ def fired(out: Path) -> list[str]:
     return sorted(p.name.removeprefix("fault-") for p in (out / "faults").iterdir())
 
 
-def run_pids(tag: str) -> set[int]:
-    """Every live process that inherited the run's tag."""
+def _tagged(tag: str):
+    """(pid, environment entries, argv) of every live process that inherited the tag."""
     needle = f"{TAG}={tag}".encode()
-    found = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                found.add(int(entry.name))
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:  # gone, or not ours to read
             continue
+        if needle in environ:
+            yield int(entry.name), environ, argv
+
+
+def run_pids(tag: str) -> set[int]:
+    """Every live process that inherited the run's tag."""
+    return {pid for pid, _, _ in _tagged(tag)}
+
+
+def run_folders(tag: str) -> set[Path]:
+    """The folders of the run in /tmp, read off its live processes: the private Ray head's
+    (`ray start --temp-dir=...`) and the run's own (its ranks' exit file's folder)."""
+    found = set()
+    for _, environ, argv in _tagged(tag):
+        for arg in argv:
+            if arg.startswith(b"--temp-dir="):
+                found.add(Path(arg.removeprefix(b"--temp-dir=").decode()))
+        for var in environ:
+            if var.startswith(f"{EXIT_FILE_ENV}=".encode()):
+                found.add(Path(var.split(b"=", 1)[1].decode()).parent)
     return found
 
 
-def assert_all_gone(tag: str, within_s: float = 60.0) -> float:
+def assert_all_gone(tag: str, within_s: float = 60.0, folders: set[Path] = frozenset()) -> float:
     """Wait until no process of the run is left; the seconds that took. No file of the run
     may be left in /dev/shm either: no weight file, no adapter folder (a killed rank or
-    worker cannot remove its own)."""
+    worker cannot remove its own); nor any of `folders` (`run_folders`, read while it ran)."""
     t = time.monotonic()
     while (alive := run_pids(tag)) and time.monotonic() - t < within_s:
         time.sleep(0.5)
     files = left(tag) + [str(p) for p in Path("/dev/shm").glob(f"*{tag}*")]
     assert not files, f"files left behind in /dev/shm: {files}"
+    kept = sorted(str(f) for f in folders if f.exists())
+    assert not kept, f"folders left behind in /tmp: {kept}"
     names = {}
     for p in alive:
         try:
