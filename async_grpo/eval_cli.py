@@ -70,7 +70,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from async_grpo.data.tokenize import prepare_prompts
     from async_grpo.evaluation.runner import Evaluator
-    from async_grpo.local_head import LocalHead
     from async_grpo.logs import quiet_libraries
     from async_grpo.preflight import checked_before_ray
     from async_grpo.ray_utils import connect
@@ -91,9 +90,7 @@ def run_eval(args: argparse.Namespace) -> int:
     run_id = os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex[:8])  # its /dev/shm folder
     if not args.address:  # killed in any way, nothing of its private cluster is left
         watchdog = Watchdog(run_id, started)
-        head = LocalHead(num_cpus=16, object_store_bytes=1 << 29, log_monitor=False)
-        watchdog.guard(head.proc.pid)
-        watchdog.remove(head.temp)
+        head = watchdog.private_head(1 << 29, log_monitor=False)
     actors: list[Any] = []
     try:
         connect(args.address or head.address, log_to_driver=False)

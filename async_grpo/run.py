@@ -152,6 +152,16 @@ class Watchdog:
         self.proc.stdin.write(f"folder {folder}\n".encode())
         self.proc.stdin.flush()
 
+    def private_head(self, object_store_bytes: int, log_monitor: bool) -> LocalHead:
+        """A private Ray head (`run`'s, `eval`'s) whose processes and session folder this
+        watchdog ends if this process is killed."""
+        head = LocalHead(
+            num_cpus=16, object_store_bytes=object_store_bytes, log_monitor=log_monitor
+        )
+        self.guard(head.proc.pid)
+        self.remove(head.temp)  # the head's session: its logs and sockets
+        return head
+
     def close(self) -> None:
         """This process is stopping the groups itself; the watchdog exits."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -258,9 +268,7 @@ def run_local(
     cause_file = exit_dir / "cause"  # the first cause recorded, printed at the end
     try:
         if address is None:
-            head = LocalHead(num_cpus=16, object_store_bytes=1 << 30, log_monitor=verbose)
-            watchdog.guard(head.proc.pid)
-            watchdog.remove(head.temp)  # the head's session: its logs and sockets
+            head = watchdog.private_head(1 << 30, log_monitor=verbose)
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)
         connect(address, log_to_driver=verbose, tries=3 if head is not None else 1)
