@@ -99,7 +99,6 @@ def test_episodes_replay_token_by_token_in_the_trainer(generation, trainer_model
     assert sum(s["env/live"] for s in stats) == 0  # every instance released
     assert sum(s["env/acquired"] for s in stats) == 4
     assert max(s.episode["turns"] for s in group) >= 2  # 1 in 1000 to guess at once
-    model = trainer_model
     for s in group:
         mask = torch.tensor(s.completion_mask)
         env_text = tokenizer.decode(
@@ -111,7 +110,7 @@ def test_episodes_replay_token_by_token_in_the_trainer(generation, trainer_model
         batch = pack([s.to_pack_input()])
         assert batch.num_tokens == int(mask.sum()) == s.loss_tokens
         with torch.no_grad():
-            trainer = batch_logprobs(model, batch)[0][batch.loss_mask]  # [model tokens]
+            trainer = batch_logprobs(trainer_model, batch)[0][batch.loss_mask]  # [model tokens]
         sampler = torch.tensor(s.logprobs)[mask]
         assert (trainer - sampler).abs().max() < 2e-3, (trainer - sampler).abs().max()
         assert torch.tensor(s.logprobs)[~mask].abs().sum() == 0
@@ -145,7 +144,7 @@ def _replay_error(model, group) -> float:
         mask = torch.tensor(s.completion_mask)
         batch = pack([s.to_pack_input()])
         with torch.no_grad():
-            trainer = batch_logprobs(model, batch)[0][batch.loss_mask]  # [model tokens]
+            trainer = batch_logprobs(trainer_model, batch)[0][batch.loss_mask]  # [model tokens]
         worst = max(worst, float((trainer - torch.tensor(s.logprobs)[mask]).abs().max()))
         assert torch.tensor(s.logprobs)[~mask].abs().sum() == 0
     return worst
