@@ -144,7 +144,7 @@ def _replay_error(model, group) -> float:
         mask = torch.tensor(s.completion_mask)
         batch = pack([s.to_pack_input()])
         with torch.no_grad():
-            trainer = batch_logprobs(trainer_model, batch)[0][batch.loss_mask]  # [model tokens]
+            trainer = batch_logprobs(model, batch)[0][batch.loss_mask]  # [model tokens]
         worst = max(worst, float((trainer - torch.tensor(s.logprobs)[mask]).abs().max()))
         assert torch.tensor(s.logprobs)[~mask].abs().sum() == 0
     return worst
