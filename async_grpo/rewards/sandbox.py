@@ -6,7 +6,10 @@ a socketpair each, pickled messages) that score one sample at a time:
 
 - a reply later than `timeout_s` -> the process is SIGKILLed and replaced; reward 0, "timeout";
 - an exception in the reward, or the process dying mid-sample -> reward 0, "error: ...";
-- a process found dead while idle (killed from outside) is replaced before use.
+- a process found dead while idle (killed from outside) is replaced before use; so is one
+  that dies before it takes the sample sent to it (each child says "taken" on reading a
+  sample, before scoring it), and the sample goes to the replacement: a kill that lands
+  just before a send is not the sample's fault. Only a death after "taken" costs it.
 
 Why not a process per sample: starting Python and importing sympy/math-verify costs
 ~0.5 s, against ~0.1-0.3 ms per sample over a warm process's pipe (docs/rewards.md).
@@ -30,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import Pipe
@@ -190,27 +194,43 @@ class SandboxPool:
         return worker is not None and worker.alive()
 
     def _score_on(self, slot: int, sample: RewardInput) -> tuple[RewardOutput, str]:
-        if not self._alive(slot):  # killed from outside while idle, or a failed restart
-            if self._closed:
-                return RewardOutput(0.0, {}, "error: verifier is shut down"), "errors"
-            self._spawner.submit(self._restart, slot, False).result()
-            if not self._alive(slot):
-                return RewardOutput(0.0, {}, "error: scoring process failed to start"), "errors"
-        worker = self._workers[slot]
-        assert worker is not None
         try:
             message = pickle.dumps(sample)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             return RewardOutput(0.0, {}, f"error: sample cannot be pickled ({e})"), "errors"
+        for _ in range(2):  # a second process only if the first died before taking it
+            if not self._alive(slot):  # killed from outside, or a failed restart
+                if self._closed:
+                    return RewardOutput(0.0, {}, "error: verifier is shut down"), "errors"
+                self._spawner.submit(self._restart, slot, False).result()
+                if not self._alive(slot):
+                    return RewardOutput(0.0, {}, "error: scoring process failed to start"), "errors"
+            worker = self._workers[slot]
+            assert worker is not None
+            scored = self._exchange(worker, message)
+            if scored is not None:
+                return scored
+        return RewardOutput(0.0, {}, "error: two scoring processes died before taking it"), "errors"
+
+    def _exchange(self, worker: _Worker, message: bytes) -> tuple[RewardOutput, str] | None:
+        """Send one pickled sample and wait for its reply; None if the process died before
+        it said "taken" (the sample never reached the reward)."""
+        deadline = time.monotonic() + self.timeout_s
+        taken = False
         try:
             worker.conn.send_bytes(message)
-            if worker.conn.poll(self.timeout_s):
+            while worker.conn.poll(max(0.0, deadline - time.monotonic())):
                 status, payload = worker.conn.recv()
-                if status == "ok":
+                if status == "taken":
+                    taken = True
+                elif status == "ok":
                     return payload, "ok"
-                return RewardOutput(0.0, {}, f"error: {payload}"), "errors"
+                else:
+                    return RewardOutput(0.0, {}, f"error: {payload}"), "errors"
         except (EOFError, OSError):
             code = worker.proc.wait()
+            if not taken:
+                return None
             return RewardOutput(0.0, {}, f"error: scoring process died ({code=})"), "errors"
         worker.kill()  # SIGKILL now, so the sample returns at its timeout
         return RewardOutput(0.0, {}, "timeout"), "timeouts"
@@ -258,6 +278,7 @@ def _child_main(fd: int, memory_bytes: int, parent_pid: int) -> None:
             sample = conn.recv()
         except EOFError:
             return
+        conn.send(("taken", None))  # what dies from here on died on this sample
         try:
             reply = ("ok", as_output(score_fn(sample)))
         except Exception as e:  # counted by the parent as verifier/errors

@@ -115,12 +115,15 @@ def test_sigkill_from_outside_mid_sample_then_100_samples_are_served(pool):
 
 
 def test_sigkill_while_idle_is_replaced_without_losing_a_sample(pool):
-    pid = int(pool.score(odd("pid")).reward)
-    os.kill(pid, signal.SIGKILL)
-    time.sleep(0.1)
-    assert_serves_correctly(pool, n=10)
+    """Each sample is sent the moment after the kill, before the process is seen dead:
+    it died before taking the sample, so the sample goes to its replacement (before the
+    child said "taken", each of these was lost as `scoring process died`)."""
+    for _ in range(3):
+        pid = int(pool.score(odd("pid")).reward)
+        os.kill(pid, signal.SIGKILL)
+        assert_serves_correctly(pool, n=10)
     stats = pool.stats()
-    assert (stats["verifier/errors"], stats["verifier/restarts"]) == (0, 1)
+    assert (stats["verifier/errors"], stats["verifier/restarts"]) == (0, 3)
 
 
 def test_exception_is_an_error_and_the_process_is_kept(pool):
