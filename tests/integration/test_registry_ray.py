@@ -130,12 +130,14 @@ def test_dead_worker_without_heartbeats_is_dropped(cluster):
         def ping(self):
             return {}
 
-    registry = ensure_registry("verifier")
+    # probed every heartbeat_timeout_s / 3: 1 s here (the default's 10 s was most of this
+    # test's time); the first verifier registry of the module, so made with it
+    registry = ensure_registry("verifier", heartbeat_timeout_s=3.0)
     actor = ray.remote(Silent).remote()
     ray.get(registry.register.remote("verify-x-0", actor, 8, 0, "", False), timeout=60)
     _kill(actor)
     t = time.monotonic()
-    _wait_for("the dead verifier dropped", lambda: not ray.get(registry.status.remote()), 40)
+    _wait_for("the dead verifier dropped", lambda: not ray.get(registry.status.remote()), 30)
     print(f"dropped after {time.monotonic() - t:.1f}s")
 
 
