@@ -59,25 +59,30 @@ class LocalHead:
         self.port = _free_port()
         self.temp = tempfile.mkdtemp(prefix="agr", dir="/tmp")  # Unix socket paths are short
         ray_bin = str(Path(sys.executable).with_name("ray"))
-        self.proc = subprocess.Popen(
-            [
-                ray_bin,
-                "start",
-                "--head",
-                "--block",
-                "--node-ip-address=127.0.0.1",
-                f"--port={self.port}",
-                "--include-dashboard=false",
-                "--no-monitor",  # a private head has no autoscaler: no process for one
-                f"--include-log-monitor={str(log_monitor).lower()}",
-                f"--num-cpus={num_cpus}",
-                f"--object-store-memory={object_store_bytes}",
-                f"--temp-dir={self.temp}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        said = Path(self.temp) / "ray-start.err"
+        with said.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [
+                    ray_bin,
+                    "start",
+                    "--head",
+                    "--block",
+                    "--node-ip-address=127.0.0.1",
+                    f"--port={self.port}",
+                    "--include-dashboard=false",
+                    "--no-monitor",  # a private head has no autoscaler: no process for one
+                    f"--include-log-monitor={str(log_monitor).lower()}",
+                    f"--num-cpus={num_cpus}",
+                    f"--object-store-memory={object_store_bytes}",
+                    f"--temp-dir={self.temp}",
+                ],
+                stdout=subprocess.DEVNULL,
+                # a file, not a pipe: nobody reads a pipe while the head runs, and `ray start`
+                # blocks once it has written a pipe's 64 KB (PYTHONPROFILEIMPORTTIME did it
+                # before the head listened: the start timed out after 120 s)
+                stderr=err,
+                start_new_session=True,
+            )
         self.address = f"127.0.0.1:{self.port}"
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         while True:
@@ -85,7 +90,7 @@ class LocalHead:
             if gcs_failed or self.proc.poll() is not None:
                 with contextlib.suppress(ProcessLookupError):  # what it started before failing
                     os.killpg(self.proc.pid, signal.SIGKILL)
-                return gcs_failed or self.proc.stderr.read().decode()
+                return gcs_failed or said.read_text(errors="replace")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return None

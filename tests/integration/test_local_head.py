@@ -18,7 +18,10 @@ def test_a_head_whose_port_was_taken_starts_again_on_another(monkeypatch):
     (seen in the default test run). The head is started again on a fresh port, and a real
     cluster answers there. The failed start is seen in the GCS's log within a second
     (`ray start` itself waits about 40 s for the dead GCS). Started as a quiet run starts
-    it, the head runs no log monitor (nothing streams the actors' output)."""
+    it, the head runs no log monitor (nothing streams the actors' output). With Python's
+    import times on, `ray start` writes more than a pipe holds (64 KB) before it listens:
+    its stderr goes to a file, so it does not block (through a pipe it timed out)."""
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))  # bound, not listening: nothing answers there
     taken_port = taken.getsockname()[1]
@@ -42,5 +45,7 @@ def test_a_head_whose_port_was_taken_starts_again_on_another(monkeypatch):
         started = [" ".join(p.cmdline()) for p in psutil.Process(head.proc.pid).children(True)]
         assert any("gcs_server" in c for c in started), started
         assert not any("log_monitor" in c for c in started), started
+        said = os.path.join(head.temp, "ray-start.err")
+        assert os.path.getsize(said) > 64 << 10, os.path.getsize(said)
     finally:
         head.stop()
