@@ -200,15 +200,12 @@ def _cause(e: BaseException) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import signal
-
     from async_grpo.preflight import checked_before_ray
     from async_grpo.preflight.settings import load_config
-    from async_grpo.run import run_local, stop_on_signal
+    from async_grpo.run import run_local, stop_on_signals
 
     cfg = load_config(args.config, args.overrides)
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop as on Ctrl-C (run.Stopped)
-        signal.signal(sig, stop_on_signal)
+    stop_on_signals()
     address = args.address or cfg.ray_address
     model_dir = checked_before_ray(cfg, "run", resume=args.resume, address=address)
     return run_local(

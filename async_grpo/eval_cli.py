@@ -73,7 +73,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from async_grpo.logs import quiet_libraries
     from async_grpo.preflight import checked_before_ray
     from async_grpo.ray_utils import connect
-    from async_grpo.run import Watchdog, stop_on_signal, stopped_by
+    from async_grpo.run import Watchdog, ignore_stop_signals, stop_on_signals, stopped_by
     from async_grpo.shm_files import RUN_ID_ENV, remove_run
 
     cfg = eval_config(args)
@@ -94,8 +94,7 @@ def run_eval(args: argparse.Namespace) -> int:
     actors: list[Any] = []
     try:
         connect(args.address or head.address, log_to_driver=False)
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop as on Ctrl-C (after ray.init's)
-            signal.signal(sig, stop_on_signal)
+        stop_on_signals()  # after ray.init's handlers
         print(f"evaluating {model_dir} on {len(prompts)} prompts of {e.data}", flush=True)
         gen, ver = _start_workers(cfg, str(model_dir), actors, eval_adapter(args.model))
         clients = {"generation": gen, "verifier": ver}
@@ -109,8 +108,7 @@ def run_eval(args: argparse.Namespace) -> int:
         )
         return 128 + signum
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # clean up undisturbed
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()
         for a in actors:
             ray.kill(a)
         if ray.is_initialized():

@@ -75,6 +75,20 @@ def stop_on_signal(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 
 
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP stop this command as Ctrl-C does (`Stopped`). Set after
+    `ray.init`, which installs handlers of its own, and only on the main thread."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_on_signal)
+
+
+def ignore_stop_signals() -> None:
+    """A command's clean-up runs undisturbed by a second Ctrl-C, SIGTERM or SIGHUP
+    (SIGKILL still ends it: the watchdog then cleans up)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def stopped_by(e: KeyboardInterrupt) -> int:
     """The signal `e` stands for: a `Stopped`'s; else the last SIGTERM or SIGHUP received
     (inside a Ray wait, Ray raises a plain KeyboardInterrupt for our handler's exception);
@@ -275,8 +289,7 @@ def run_local(
         if logs is not None:  # Ray's "(raylet) A worker died ..." lines: not on the console
             ray_errors_to_file(logs / "ray.log")
         if threading.current_thread() is threading.main_thread():  # ray.init set its own
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, stop_on_signal)
+            stop_on_signals()
         starters, counts = pool_starters(cfg, model_dir, logs)
         # the pools and the trainer start side by side: a rank loads its model while the
         # engines start, and waits for POOLS_READY before it asks the pools for anything.
@@ -332,8 +345,7 @@ def run_local(
         return code
     finally:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # clean up undisturbed;
-                signal.signal(sig, signal.SIG_IGN)  # SIGKILL still works: the watchdog
+            ignore_stop_signals()
         if trainer is not None:
             stop_trainer(trainer)
         workers = supervisor.workers or workers
