@@ -76,8 +76,8 @@ def stop_on_signal(signum: int, frame: Any) -> None:
 
 
 def stop_on_signals() -> None:
-    """SIGTERM and SIGHUP stop this command as Ctrl-C does (`Stopped`). Set after
-    `ray.init`, which installs handlers of its own, and only on the main thread."""
+    """SIGTERM and SIGHUP stop this command as Ctrl-C does (`Stopped`). Main thread only;
+    set again after `ray.init`, which installs handlers of its own."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop_on_signal)
 
