@@ -32,7 +32,7 @@ def test_every_way_an_environment_fails_ends_its_episode_and_the_run_goes_on(
         "environment.name=envs_for_tests:Hostile",
         "environment.num_workers=2",
         "environment.capacity=4",  # one group per worker at a time: a death ends only its own
-        "environment.step_timeout_s=2",
+        "environment.step_timeout_s=4",  # the ok steps have 4 s on a loaded machine
         f"batcher.questions_per_step={len(WAYS)}",
         "trainer.max_steps=2",
         "trainer.save_every=0",
@@ -56,7 +56,7 @@ def test_every_way_an_environment_fails_ends_its_episode_and_the_run_goes_on(
     # Step 1's are replaced while step 2 runs; step 2's may be after the run's last row.
     assert steps[-1]["pool/environment/restarts"] >= 1, steps[-1]
     assert out.count("a worker died; started a new one") >= 2, out[-4000:]
-    assert "it said: step hung past environment.step_timeout_s (2 s))" in out, out[-4000:]
+    assert "it said: step hung past environment.step_timeout_s (4 s))" in out, out[-4000:]
     assert "(raylet)" not in out, out[-4000:]
     assert "A worker died or was killed" in (tmp_path / "logs" / "ray.log").read_text()
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("env-*.log"))

@@ -119,9 +119,14 @@ def test_no_scoring_process_outlives_its_worker(ray_local, how):
     ],
 )
 def test_a_broken_reward_scores_zero_with_its_reason(ray_local, reward, reason):
-    """Through the verifier actor, as a run scores: every sample comes back, 0 with why."""
+    """Through the verifier actor, as a run scores: every sample comes back, 0 with why.
+    The timeout is short only where it is the reason: a reward that fails at once has 60 s
+    to say so, as a loaded machine may need seconds (a 3 s timeout would read as "timeout")."""
     cfg = VerifierConfig(
-        num_workers=1, rewards=[f"rewards_for_tests:{reward}"], timeout_s=3.0, max_concurrency=2
+        num_workers=1,
+        rewards=[f"rewards_for_tests:{reward}"],
+        timeout_s=3.0 if reason == "timeout" else 60.0,
+        max_concurrency=2,
     )
     pool = VerifierPool.start(cfg, num_cpus=0)
     try:
