@@ -10,6 +10,13 @@ class UserError(Exception):
     exit_code = 2
 
 
+class MachineError(UserError):
+    """Something this machine refused before any work began (a Ray head that would not
+    start): one line as well, exit code 1 (not the user's input, but theirs to fix)."""
+
+    exit_code = 1
+
+
 # `async-grpo run` gives its torchrun ranks a file to write a user error's exit code to:
 # torchrun exits 1 whatever its ranks' codes were
 EXIT_FILE_ENV = "ASYNC_GRPO_EXIT_FILE"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import async_grpo.ray_utils  # noqa: F401  (token auth as every joining process has it)
+from async_grpo.errors import MachineError
 
 HEAD_START_TIMEOUT_S = 120.0
 
@@ -41,7 +42,10 @@ class LocalHead:
                 return
             shutil.rmtree(self.temp, ignore_errors=True)
             if not tries_left:
-                raise RuntimeError(f"ray head exited: {error[-2000:]}")
+                raise MachineError(
+                    f"the local Ray head did not start in {self.TRIES} tries; `ray start`"
+                    f" said: {_last_line(error)}"
+                )
 
     def _gcs_failed(self) -> str:
         """The GCS's own line when it could not bind its port: `ray start` notices only
@@ -97,9 +101,10 @@ class LocalHead:
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise TimeoutError(
-                        f"ray head did not listen on {self.address} within"
-                        f" {HEAD_START_TIMEOUT_S:.0f}s"
+                    raise MachineError(
+                        f"the local Ray head did not listen on {self.address} within"
+                        f" {HEAD_START_TIMEOUT_S:.0f}s (a machine this loaded, or a port"
+                        " it cannot open)"
                     ) from None
                 time.sleep(0.5)
 
@@ -118,6 +123,15 @@ class LocalHead:
         if self.proc.poll() is None:
             self.proc.wait(timeout=30)
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _last_line(text: str, limit: int = 240) -> str:
+    """The last line that says something, cut to `limit` characters; of a failed check in
+    Ray's C++ (the GCS's "Check failed: ..."), what failed, without the preamble."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    line = lines[-1] if lines else "nothing"
+    line = line.rpartition("Check failed:")[2].strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def session_running(sid: int) -> list[int]:

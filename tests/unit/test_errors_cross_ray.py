@@ -17,6 +17,10 @@ BASES = ("Exception", "Error")  # run.Stopped, a KeyboardInterrupt, never leaves
 # constructor arguments of each class, and attributes the caller must get back
 EXAMPLES: dict[str, tuple[tuple, dict]] = {
     "async_grpo.errors.UserError": (("data.jsonl:3: field 'input': missing",), {}),
+    "async_grpo.errors.MachineError": (
+        ("the local Ray head did not start in 3 tries; `ray start` said: ...",),
+        {},
+    ),
     "async_grpo.config.ConfigError": (("trainer.lr: must be > 0, got -1",), {}),
     "async_grpo.data.jsonl.DataError": (("a.jsonl:2: not JSON",), {}),
     "async_grpo.hooks.HookFailed": (("hook EventLog raised in after_step: KeyError",), {}),
