@@ -9,7 +9,7 @@ whole run costs the suite is its CPU seconds, not its wall time. Prints, per rep
 JSON line: the wall time, the CPU seconds of all the run's processes, those of each kind of
 process (the run command, Ray's own processes, the registries, each pool's workers, the
 engine-core process, torchrun and its ranks, the batcher), when each kind first appeared,
-and the CPU kind. `KEY=VALUE` overrides go after the loop run's own (e.g.
+and the CPU kind; `--processes` then lists each process with its CPU seconds. `KEY=VALUE` overrides go after the loop run's own (e.g.
 `trainer.num_ranks=1`, what one rank fewer saves). Processes that live shorter than a sample are not seen (a few tenths of
 a second in all).
 """
@@ -138,6 +138,13 @@ def measure(model: Path, steps: int, out: Path, extra: list[str]) -> dict[str, o
         "overrides": extra,
         "cpu_kind": torch.backends.cpu.get_cpu_capability(),
         "cores": len(os.sched_getaffinity(0)),
+        "processes": sorted(
+            (
+                [round(cpu, 1), _kind(comm, line), comm, line[:120]]
+                for cpu, comm, line in seen.values()
+            ),
+            reverse=True,
+        ),
     }
 
 
@@ -146,6 +153,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("/tmp/run-cpu"))
+    p.add_argument("--processes", action="store_true", help="then each process: CPU s, kind")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="after the loop run's own")
     args = p.parse_args()
     from async_grpo.models import make_tiny_model, prepare_smollm2
@@ -155,7 +163,11 @@ def main() -> None:
         make_tiny_model(model, tokenizer_from=prepare_smollm2())
     for i in range(args.repeats):
         result = measure(model, args.steps, args.out / f"run{i}", args.overrides)
+        processes = result.pop("processes")
         print(json.dumps(result), flush=True)
+        if args.processes:
+            for cpu, kind, comm, line in processes:
+                print(f"{cpu:6.1f}  {kind:20} {comm:16} {line}")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from async_grpo.config import GenerationConfig
 from async_grpo.faults import fault_point
 from async_grpo.inference.adapter_versions import AdapterVersions
@@ -212,6 +210,7 @@ class GenerationWorker(RegisteredWorker):
         """(Ray node id, device, broadcast only): the device is "cpu" or the uuid of the
         GPU this engine uses; see transports.select.Place."""
         import ray
+        import torch
 
         node = ray.get_runtime_context().get_node_id()
         device = "cpu" if self.device == "cpu" else str(torch.cuda.get_device_properties(0).uuid)

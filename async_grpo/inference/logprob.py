@@ -15,11 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from async_grpo.config import LogprobConfig
-from async_grpo.core.logprobs import batch_logprobs
-from async_grpo.core.packing import PackInput, pack
 from async_grpo.faults import fault_point
 from async_grpo.inference.types import RequestError
 from async_grpo.inference.worker_base import RegisteredWorker
@@ -61,6 +57,7 @@ class LogprobWorker(RegisteredWorker):
         self.attention: Any = None
 
     async def start(self, register: bool = True) -> str:
+        import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from async_grpo.core.attention import select_attention
@@ -145,15 +142,20 @@ class LogprobWorker(RegisteredWorker):
                 if not item.future.done():
                     item.future.set_result(lp)
 
-    @torch.no_grad()
     def _score(self, batch: list[_Pending]) -> list[list[float]]:
+        import torch
+
+        from async_grpo.core.logprobs import batch_logprobs
+        from async_grpo.core.packing import PackInput, pack
+
         inputs = [
             PackInput(b.prompt_ids, b.completion_ids, 0.0, [0.0] * len(b.completion_ids))
             for b in batch
         ]
-        packed = self.attention.prepare(pack(inputs)).to(self.device)
-        logp, _ = batch_logprobs(self.model, packed, self.temperature, attention=self.attention)
-        flat = logp[packed.loss_mask].float().cpu().tolist()
+        with torch.no_grad():
+            packed = self.attention.prepare(pack(inputs)).to(self.device)
+            logp, _ = batch_logprobs(self.model, packed, self.temperature, attention=self.attention)
+            flat = logp[packed.loss_mask].float().cpu().tolist()
         self.tokens_scored += packed.input_ids.shape[1]
         out, offset = [], 0
         for b in batch:

@@ -24,8 +24,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from async_grpo.config import RewardModelConfig
 from async_grpo.faults import fault_point
 from async_grpo.inference.worker_base import RegisteredWorker
@@ -72,6 +70,7 @@ class RewardModelWorker(RegisteredWorker):
         self.batches = 0
 
     async def start(self, register: bool = True) -> str:
+        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from async_grpo.precision import resolve_dtype
@@ -165,9 +164,10 @@ class RewardModelWorker(RegisteredWorker):
                 if not item.future.done():
                     item.future.set_result(s)
 
-    @torch.no_grad()
     def _forward(self, rows: list[list[int]]) -> list[float]:
         """The model's one logit per row; rows right-padded with the model's pad id."""
+        import torch
+
         width = max(len(r) for r in rows)
         pad = self.model.config.pad_token_id
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -175,7 +175,8 @@ class RewardModelWorker(RegisteredWorker):
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r)
             mask[i, : len(r)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+        with torch.no_grad():
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
         self.scored += len(rows)
         self.batches += 1
         return logits.logits[:, 0].float().cpu().tolist()

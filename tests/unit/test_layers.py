@@ -110,3 +110,38 @@ def test_no_import_circle_between_packages():
         if v not in index:
             visit(v)
     assert not circles, circles
+
+
+def worker_modules() -> list[str]:
+    """The modules of every pool worker class (`...Worker`, and what derives from one): a
+    registry, the batcher and the run's supervisor get handles of these actors."""
+    classes: dict[str, tuple[str, list[str]]] = {}
+    for f in PACKAGE.rglob("*.py"):
+        module = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+                classes[node.name] = (module, bases)
+    workers = {n for n in classes if n.endswith("Worker") and not n.startswith("_")}
+    while more := {n for n, (_, bases) in classes.items() if set(bases) & workers} - workers:
+        workers |= more
+    return sorted({classes[n][0] for n in workers})
+
+
+def test_a_worker_handle_costs_its_holder_no_torch():
+    """Ray imports an actor's module in every process that gets its handle: a registry
+    (a worker registers itself), the batcher, the run's supervisor. Each worker module
+    imports torch, transformers and vLLM where it uses them, not at its top: at the top,
+    torch cost two registries about 2 CPU s each in every whole run (AVX512-BF16 EPYC,
+    py-spy in a registry: `_load_actor_class_from_gcs` -> `inference/logprob.py`)."""
+    import subprocess
+    import sys
+
+    modules = worker_modules()
+    assert "async_grpo.inference.generation" in modules and len(modules) >= 6, modules
+    code = (
+        f"import sys; import {', '.join(modules)};"
+        " print([m for m in ('torch', 'transformers', 'vllm') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
