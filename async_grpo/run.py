@@ -29,7 +29,7 @@ from async_grpo.cause import CAUSE_FILE_ENV
 from async_grpo.cause import record as record_cause
 from async_grpo.cause import recorded as recorded_cause
 from async_grpo.config import RunConfig
-from async_grpo.errors import EXIT_FILE_ENV, MachineError
+from async_grpo.errors import EXIT_FILE_ENV
 from async_grpo.local_head import LocalHead
 from async_grpo.shm_files import RUN_ID_ENV, remove_orphans, remove_run
 
@@ -282,11 +282,8 @@ def run_local(
     cause_file = exit_dir / "cause"  # the first cause recorded, printed at the end
     try:
         if address is None:
-            try:
-                head = watchdog.private_head(1 << 30, log_monitor=verbose)
-            except MachineError as e:  # the run's cause: printed once all has stopped
-                record_cause(f"async-grpo: error: {e}", cause_file)
-                return code
+            # one that cannot start raises MachineError: cli prints its line once all stopped
+            head = watchdog.private_head(1 << 30, log_monitor=verbose)
             address = head.address
             print(f"started a local Ray head at {address}", flush=True)
         connect(address, log_to_driver=verbose, tries=3 if head is not None else 1)
