@@ -30,12 +30,18 @@ def top(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def imports() -> dict[tuple[str, str], list[str]]:
-    """(from, to) between different top-level names -> where (file:line)."""
+def package_modules() -> dict[str, Path]:
+    """Every module of `async_grpo/` by its dotted name (a package by its own) -> its file."""
     modules = {}
     for f in PACKAGE.rglob("*.py"):
         name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = f
+    return modules
+
+
+def imports() -> dict[tuple[str, str], list[str]]:
+    """(from, to) between different top-level names -> where (file:line)."""
+    modules = package_modules()
     edges: dict[tuple[str, str], list[str]] = {}
     for name, f in modules.items():
         package = name if f.name == "__init__.py" else name.rpartition(".")[0]
@@ -116,8 +122,7 @@ def worker_modules() -> list[str]:
     """The modules of every pool worker class (`...Worker`, and what derives from one): a
     registry, the batcher and the run's supervisor get handles of these actors."""
     classes: dict[str, tuple[str, list[str]]] = {}
-    for f in PACKAGE.rglob("*.py"):
-        module = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for module, f in package_modules().items():
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ClassDef):
                 bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
