@@ -47,7 +47,7 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     dtype: ComputeDtype = "auto"
-    kv_cache_gib: float = 2.0  # CPU KV cache (VLLM_CPU_KVCACHE_SPACE); GPU uses memory utilisation
+    kv_cache_gib: float = 2.0  # CPU KV cache, exactly (not whole GiB); GPU uses memory utilisation
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True  # on CPU: ~60 s start instead of ~200 s, ~half the tok/s
     tensor_parallel_size: int = 1

@@ -10,6 +10,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = REPO / "tests" / "integration" / "plugins"  # test rewards, environments, hooks
 CLI = [sys.executable, "-m", "async_grpo.cli"]
+# the KV cache of an engine of the tiny model (1 KiB a token in fp32): 64k tokens, where
+# the configs' 1 to 2 GiB cost each engine start seconds of page faults on a loaded machine
+TINY_KV_GIB = 1 / 16
+TINY_KV = f"generation.kv_cache_gib={TINY_KV_GIB}"
 
 
 def free_port() -> int:
@@ -77,6 +81,7 @@ def loop_command(model_dir: Path, out: Path, steps: int, *extra: str) -> list[st
         "generation.max_model_len=512",
         "generation.max_new_tokens=24",
         "generation.dtype=float32",
+        TINY_KV,
         "trainer.save_every=3",
         "verifier.rewards=[rewards_for_tests:vowel_share]",
         *extra,

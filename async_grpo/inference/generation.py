@@ -28,6 +28,7 @@ from async_grpo.config import GenerationConfig
 from async_grpo.faults import fault_point
 from async_grpo.inference.adapter_versions import AdapterVersions
 from async_grpo.inference.engine_args import (
+    cpu_kv_cache_args,
     cpu_scheduler_args,
     forked_engine_core,
     lora_engine_args,
@@ -112,6 +113,7 @@ class GenerationWorker(RegisteredWorker):
             weight_transfer_config={"backend": "async_grpo"},  # registered by the extension
             disable_log_stats=True,
             **cpu_scheduler_args(c, self.device),
+            **cpu_kv_cache_args(c, self.device),
             **lora_engine_args(self.adapters),
         )
         if self.adapters is not None:

@@ -65,6 +65,8 @@ def check_numbers(cfg: RunConfig) -> None:
         "trainer.push_every": t.push_every,
         "trainer.grad_clip": t.grad_clip,
         "batcher.curriculum_floor": b.curriculum_floor,
+        "generation.kv_cache_gib": g.kv_cache_gib,  # the CPU engine's cache, exactly
+        "verifier.judge.kv_cache_gib": v.judge.kv_cache_gib,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -76,7 +78,6 @@ def check_numbers(cfg: RunConfig) -> None:
         )
     non_negative = {
         "generation.temperature": g.temperature,
-        "generation.kv_cache_gib": g.kv_cache_gib,
         "batcher.max_off_policy_steps": b.max_off_policy_steps,
         "batcher.spare_groups": b.spare_groups,
         "batcher.dynamic_sampling": b.dynamic_sampling,

@@ -9,7 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
-from _cli import plugin_env, run_command
+from _cli import TINY_KV, plugin_env, run_command
 
 from async_grpo.errors import EXIT_FILE_ENV
 from async_grpo.shm_files import RUN_ID_ENV, left
@@ -28,6 +28,7 @@ def tiny_run(model_dir: Path, out: Path, *overrides: str) -> list[str]:
         "batcher.samples_per_question=4",
         "batcher.max_off_policy_steps=0",
         "generation.max_new_tokens=16",
+        TINY_KV,
         "trainer.save_every=1",
         *overrides,
     )

@@ -99,7 +99,6 @@ def test_a_broadcast_member_dying_mid_push_makes_the_push_start_over(tiny_model_
         tmp_path,
         "trainer.max_steps=3",
         "generation.num_workers=2",
-        "generation.kv_cache_gib=0.25",
         "trainer.weight_transport=broadcast",
     )
     proc, tag = start(cmd, tmp_path, "generation.load_chunk.rank1@1")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cli import CLI, wait_for_line
+from _cli import CLI, TINY_KV, wait_for_line
 from _faults import (
     assert_all_gone,
     assert_books,
@@ -96,7 +96,7 @@ def test_a_signal_stops_an_evaluation_and_its_cluster(sig, code, line, tiny_mode
     process, /dev/shm file or /tmp folder of it is left (it used to leave its whole head)."""
     held_out = Path(__file__).parents[2] / "sample-data" / "arithmetic-heldout.jsonl"
     cmd = [*CLI, "eval", str(tiny_model_dir), "--data", str(held_out)]
-    cmd += ["-o", str(tmp_path / "eval"), "--max-questions", "3"]
+    cmd += ["-o", str(tmp_path / "eval"), "--max-questions", "3", "--set", TINY_KV]
     proc, tag = start(cmd, tmp_path)
     try:
         wait_for_line(proc, "evaluating ", 300)

@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from _cli import CLI, REPO, plugin_env, run_command
+from _cli import CLI, REPO, TINY_KV, plugin_env, run_command
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +31,7 @@ def _run(tiny_model_dir, out, steps, *extra, expect=0):
         "batcher.max_off_policy_steps=1",
         "generation.max_new_tokens=16",
         "generation.dtype=float32",
+        TINY_KV,
         "verifier.rewards=[rewards_for_tests:vowel_share]",
         *extra,
     )
@@ -160,6 +161,8 @@ def test_eval_command_on_a_checkpoint_folder(run_with_eval, tmp_path):
         "eval.pass_threshold=0.3",
         "--set",
         "generation.dtype=float32",
+        "--set",
+        TINY_KV,
     )
     assert summary["model"].endswith("step_4/hf") and summary["error"] is None
     assert len(samples) == 10 and {s["question"] for s in samples} == set(range(5))

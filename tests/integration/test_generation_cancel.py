@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import pytest
+from _cli import TINY_KV_GIB
 
 from async_grpo.config import GenerationConfig
 from async_grpo.inference.types import SamplingSettings
@@ -15,7 +16,7 @@ CFG = GenerationConfig(
     max_model_len=2048,
     max_new_tokens=16,
     max_concurrent_seqs=16,
-    kv_cache_gib=1,
+    kv_cache_gib=TINY_KV_GIB,
     threads=1,
     dtype="float32",
 )

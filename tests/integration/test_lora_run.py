@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _cli import CLI, REPO, plugin_env, run_loop
+from _cli import CLI, REPO, TINY_KV, plugin_env, run_loop
 
 from async_grpo.shm_files import RUN_ID_ENV, left, owner
 
@@ -115,7 +115,7 @@ def test_eval_command_on_an_adapter_checkpoint(runs, tmp_path):
     shutil.copytree(base / "full" / "checkpoints" / "step_2", copied)
     cmd = [
         *CLI, "eval", "step_2", "--data", str(HELD_OUT), "-o", str(out), "--max-questions", "3",
-        "--set", "verifier.rewards=[rewards_for_tests:vowel_share]",
+        "--set", "verifier.rewards=[rewards_for_tests:vowel_share]", "--set", TINY_KV,
     ]  # fmt: skip
     r = subprocess.run(
         cmd, env=plugin_env(), cwd=copied.parent, capture_output=True, text=True, timeout=900

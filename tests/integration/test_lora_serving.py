@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import ray
 import torch
+from _cli import TINY_KV_GIB
 
 from async_grpo.config import GenerationConfig, LoraConfig
 from async_grpo.inference.types import AdapterServing, SamplingSettings
@@ -21,7 +22,7 @@ CFG = GenerationConfig(
     max_model_len=256,
     max_new_tokens=16,
     max_concurrent_seqs=64,
-    kv_cache_gib=1,
+    kv_cache_gib=TINY_KV_GIB,
     threads=1,
     dtype="float32",
 )

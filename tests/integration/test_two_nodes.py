@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _cli import CLI, REPO, cluster_command, free_port, wait_for_line
+from _cli import CLI, REPO, TINY_KV, cluster_command, free_port, wait_for_line
 
 from async_grpo.shm_files import RUN_ID_ENV
 
@@ -94,7 +94,7 @@ def test_a_worker_on_node_b_takes_the_cross_node_push_then_b_is_lost(
     address, env, node_b = two_nodes
     tag = uuid.uuid4().hex
     env = {**env, RUN_ID_ENV: tag}
-    common = [f"model={tiny_model_dir}", "generation.max_new_tokens=16"]
+    common = [f"model={tiny_model_dir}", "generation.max_new_tokens=16", TINY_KV]
     worker = [*CLI, "worker", "--config", CONFIG, "--address", address]
     model = ["--model", str(tiny_model_dir)]
     modes = {

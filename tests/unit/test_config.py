@@ -73,6 +73,8 @@ def test_int_is_accepted_for_float():
         ("generation.max_new_tokens=2000", "generation.max_new_tokens: 2000 leaves no room"),
         ("batcher.max_tokens_per_gpu=100", "batcher.max_tokens_per_gpu: 100 is below"),
         ("trainer.num_ranks=0", "trainer.num_ranks: must be > 0"),
+        ("generation.kv_cache_gib=0", "generation.kv_cache_gib: must be > 0"),
+        ("verifier.judge.kv_cache_gib=0", "verifier.judge.kv_cache_gib: must be > 0"),
         ("trainer.loss.temperature=0.7", "trainer.loss.temperature: 0.7 differs"),
         ("nonsense", "expected key.path=value"),
         ("trainer.attention=flex", "trainer.attention: 'flex' cannot train on CPU"),

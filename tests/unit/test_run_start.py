@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from async_grpo.config import GenerationConfig
-from async_grpo.inference.engine_args import forked_engine_core, vllm_env
+from async_grpo.inference.engine_args import cpu_kv_cache_args, forked_engine_core, vllm_env
 from async_grpo.run import POOLS_READY_ENV, wait_for_pools
 from async_grpo.shm_files import (
     RUN_ID_ENV,
@@ -35,6 +35,21 @@ def test_unbound_engines_run_the_model_in_the_engine_core(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # vLLM binds in its worker only
     assert vllm_env(GenerationConfig(), "cpu")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(GenerationConfig(), "cuda")
+
+
+def test_the_engine_gets_the_kv_cache_it_was_given(tiny_model_dir, monkeypatch):
+    """`generation.kv_cache_gib` reaches vLLM's own config exactly, in bytes: not rounded to
+    whole GiB (0.25 was 1 GiB), and not overridden by a `VLLM_CPU_KVCACHE_SPACE` that the
+    user's shell set (vLLM's variable wins over its argument)."""
+    from vllm import AsyncEngineArgs
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    kv = cpu_kv_cache_args(GenerationConfig(kv_cache_gib=0.25), "cpu")
+    args = AsyncEngineArgs(model=str(tiny_model_dir), max_model_len=256, enforce_eager=True, **kv)
+    config = args.create_engine_config()  # what the engine core gets, the platform's changes in
+    assert config.cache_config.kv_cache_memory_bytes == 1 << 28
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    assert cpu_kv_cache_args(GenerationConfig(), "cuda") == {}  # GPUs: memory utilisation
 
 
 def _child_view(ctx, fd: int) -> str:
