@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from _cli import TINY_KV_GIB
 
 from async_grpo.config import JudgeConfig, RewardModelConfig, VerifierConfig
 from async_grpo.data import Prompt
@@ -21,7 +22,7 @@ PROMPT = Prompt(input="What is 2 + 3?", answer="5")
 
 
 def _judge(model, **kw):
-    return JudgeConfig(model=str(model), max_model_len=512, kv_cache_gib=1, **kw)
+    return JudgeConfig(model=str(model), max_model_len=512, kv_cache_gib=TINY_KV_GIB, **kw)
 
 
 @pytest.fixture(scope="module")
