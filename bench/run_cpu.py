@@ -100,7 +100,7 @@ def measure(model: Path, steps: int, out: Path, extra: list[str]) -> dict[str, o
         "batcher.questions_per_step=1", "batcher.samples_per_question=6",
         "batcher.max_off_policy_steps=0", "batcher.max_tokens_per_gpu=512",
         "generation.max_model_len=512", "generation.max_new_tokens=24",
-        "generation.dtype=float32", "trainer.save_every=3",
+        "generation.dtype=float32", "generation.kv_cache_gib=0.0625", "trainer.save_every=3",
         "verifier.rewards=[rewards_for_tests:vowel_share]", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
