@@ -46,8 +46,8 @@ KINDS = (  # (kind, what its name (15 characters) or command line holds), first 
 )
 
 
-def _kind(comm: str, cmd: str) -> str:
-    for kind, mark in KINDS:
+def _kind(comm: str, cmd: str, kinds: tuple[tuple[str, str], ...] = KINDS) -> str:
+    for kind, mark in kinds:
         if mark in comm or mark in cmd:
             return kind
     return "Ray's own processes" if ("ray" in comm or "ray" in cmd or "raylet" in comm) else "other"

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from run_cpu import KINDS, _processes
+from run_cpu import KINDS, _kind, _processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,15 +38,7 @@ SUITE_KINDS = (  # beyond a run's (run_cpu.KINDS): what the tests start themselv
     ("pytest workers", "xdist"),
     ("pytest workers", "-m pytest"),
 )
-
-
-def _kind(comm: str, cmd: str) -> str:
-    for kind, mark in (*KINDS, *SUITE_KINDS):
-        if mark in comm or mark in cmd:
-            return kind
-    if "ray" in comm or "ray" in cmd or comm in ("raylet", "gcs_server"):
-        return "Ray's own processes"
-    return "other"
+SUITE = (*KINDS, *SUITE_KINDS)
 
 
 def _busy_ticks() -> int:
@@ -73,7 +65,7 @@ def main() -> None:
     busy = (_busy_ticks() - busy0) / os.sysconf("SC_CLK_TCK")
     kinds: dict[str, list[float]] = {}
     for cpu, comm, line in seen.values():
-        total = kinds.setdefault(_kind(comm, line), [0.0, 0])
+        total = kinds.setdefault(_kind(comm, line, SUITE), [0.0, 0])
         total[0] += cpu
         total[1] += 1
     import torch
@@ -94,7 +86,7 @@ def main() -> None:
     if args.out:
         heavy = sorted((v for v in seen.values() if v[0] > 1), key=lambda v: -v[0])
         rows = [
-            {"cpu_s": round(c, 1), "kind": _kind(n, x), "comm": n, "cmd": x[:300]}
+            {"cpu_s": round(c, 1), "kind": _kind(n, x, SUITE), "comm": n, "cmd": x[:300]}
             for c, n, x in heavy
         ]
         args.out.write_text(json.dumps({**result, "processes": rows}, indent=1))
